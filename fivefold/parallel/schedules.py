@@ -29,7 +29,12 @@ The executor contract
                    BACKWARD_INPUT(mb, c), from ``peer`` (next virtual stage)
        Activations and gradients of a stage boundary have the same shape.
     5. A receive always comes before the compute that consumes it and a send after the
-       compute that produces it, so a compute action never waits on the network.
+       compute that produces it, so a compute action never waits on the network. Neither
+       is necessarily adjacent: a receive can arrive a few computes early and a send can
+       leave a few computes late (that is what keeps both ends in step), so the executor
+       keys its buffers by (microbatch, chunk) and frees a buffer once it is consumed or
+       sent. The last virtual stage starts its backward from the loss; stage 0 sends no
+       gradient. With pp=1 a table has no communication at all.
 
 Why this cannot deadlock
     Every table is checked by :func:`simulate`, which models a batch as blocking until
