@@ -320,6 +320,7 @@ def test_simulator_rejects_crossed_messages():
 
 
 def test_simulator_rejects_compute_without_input():
-    table = [[Action(K.FORWARD, 0), Action(K.BACKWARD, 0)], [Action(K.FORWARD, 0), Action(K.BACKWARD, 0)]]
+    row = [Action(K.FORWARD, 0), Action(K.BACKWARD, 0)]
+    table = [row, list(row)]  # rank 1 never receives its input
     with pytest.raises(ValueError, match="comes before its (activation|gradient) is received"):
         simulate(table, 2)

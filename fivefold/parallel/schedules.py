@@ -278,14 +278,17 @@ def _output_key(action: Action, stage: int, last: int) -> tuple[str, int, int] |
     return None
 
 
-def _planned_times(orders: list[list[Action]], pp: int, vpp: int) -> list[list[tuple[float, float]]]:
+Times = list[tuple[float, float]]  # (start, end) of each compute action of one rank
+
+
+def _planned_times(orders: list[list[Action]], pp: int, vpp: int) -> list[Times]:
     """(start, end) of every compute action when transfers cost nothing and never wait.
 
     Each action starts as soon as its rank is free and its input exists.
     """
     last = pp * vpp - 1
     ready: dict[tuple[str, int, int], float] = {}
-    times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    times: list[Times] = [[] for _ in range(pp)]
     clock = [0.0] * pp
     progressed = True
     while progressed:
@@ -309,7 +312,7 @@ def _planned_times(orders: list[list[Action]], pp: int, vpp: int) -> list[list[t
     return times
 
 
-def _free_at(times: list[tuple[float, float]], t: float) -> float:
+def _free_at(times: Times, t: float) -> float:
     """Earliest moment >= t at which a rank is not in the middle of a compute action."""
     for start, end in times:
         if start < t < end:
@@ -317,7 +320,7 @@ def _free_at(times: list[tuple[float, float]], t: float) -> float:
     return t
 
 
-def _rendezvous(ta: list[tuple[float, float]], tb: list[tuple[float, float]], t: float) -> float:
+def _rendezvous(ta: Times, tb: Times, t: float) -> float:
     """Earliest moment >= t at which two ranks both stand between compute actions."""
     while True:
         ta_free = _free_at(ta, t)
@@ -360,10 +363,13 @@ def _with_communication(orders: list[list[Action]], pp: int, vpp: int) -> Table:
             recv_kind = ActionKind.RECV_ACT if out[0] == "act" else ActionKind.RECV_GRAD
             comms[rank].append((key, Action(send_kind, action.microbatch, action.chunk, dst)))
             comms[dst].append((key, Action(recv_kind, out[1], orders[dst][j].chunk, rank)))
-    return [_merge(order, t, sorted(c, key=lambda kc: kc[0])) for order, t, c in zip(orders, times, comms)]
+    return [
+        _merge(order, t, sorted(c, key=lambda kc: kc[0]))
+        for order, t, c in zip(orders, times, comms)
+    ]
 
 
-def _merge(order: list[Action], times: list[tuple[float, float]], comms: list[tuple[tuple, Action]]) -> list[Action]:
+def _merge(order: list[Action], times: Times, comms: list[tuple[tuple, Action]]) -> list[Action]:
     """Put each communication action after every compute action that started before its
     moment; comms arrive sorted by moment, so the list keeps the global order."""
     merged: list[Action] = []
@@ -424,7 +430,12 @@ def interleaved_1f1b(pp: int, num_microbatches: int, vpp: int) -> Table:
 
 
 def zero_bubble_h1(pp: int, num_microbatches: int) -> Table:
-    """ZB-H1: backward split into input (B) and weight (W) gradients, W fills bubbles."""
+    """ZB-H1: backward split into input (B) and weight (W) gradients, W fills bubbles.
+
+    With F = B = W the simulated bubble time is (pp - 1)(F + B - W), a third of 1F1B's
+    (pp - 1)(F + B + W), when m >= pp; with fewer micro-batches there are too few W to
+    fill the tail and it is (pp - 1)(F + B) - (m - 1)W.
+    """
     _check_sizes(pp, num_microbatches, 1)
     return _build(lambda r: _zb_h1_order(r, pp, num_microbatches), pp, 1)
 
@@ -520,7 +531,7 @@ class _Simulation:
     """Discrete-event run of a table; times are maxima over dependencies, so the result
     does not depend on the order in which ranks are stepped."""
 
-    def __init__(self, table: Table, pp: int, durations: dict, comm_time: float):
+    def __init__(self, table: Table, pp: int, durations: dict[ActionKind, float], comm_time: float):
         self.table, self.pp, self.durations, self.comm_time = table, pp, durations, comm_time
         self.vpp = 1 + max((a.chunk for row in table for a in row), default=0)
         self.ranks = [_Rank() for _ in range(pp)]
@@ -598,7 +609,8 @@ class _Simulation:
 
     def post(self, rank: int, a: Action, now: float) -> _Op:
         self.stage(rank, a)  # validates the chunk index
-        nb, st, key = peers(rank, a.chunk, self.pp, self.vpp), self.ranks[rank], (a.microbatch, a.chunk)
+        nb, st = peers(rank, a.chunk, self.pp, self.vpp), self.ranks[rank]
+        key = (a.microbatch, a.chunk)
         expected = {
             ActionKind.SEND_ACT: (nb.next, key in st.forward),
             ActionKind.SEND_GRAD: (nb.prev, key in st.input_grad),
@@ -621,8 +633,9 @@ class _Simulation:
         sends, recvs = self.sends.get(channel), self.recvs.get(channel)
         while sends and recvs:
             s, r = sends.popleft(), recvs.popleft()
-            want = ActionKind.RECV_ACT if s.action.kind is ActionKind.SEND_ACT else ActionKind.RECV_GRAD
-            step = 1 if want is ActionKind.RECV_ACT else -1
+            act = s.action.kind is ActionKind.SEND_ACT
+            want = ActionKind.RECV_ACT if act else ActionKind.RECV_GRAD
+            step = 1 if act else -1
             ok = (
                 r.action.kind is want
                 and r.action.microbatch == s.action.microbatch
