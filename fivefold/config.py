@@ -1,0 +1,280 @@
+"""Configuration: plain dataclasses loaded from TOML presets and overridden by dotted flags.
+
+A run is described by one `Config` holding four sections: `model`, `layout`, `train`, `data`
+(plus `checkpoint`). Every key is checked: an unknown key or a value of the wrong type is
+rejected with its full dotted path and what is allowed, so a typo never silently falls back
+to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder, optionally with Mixture-of-Experts layers."""
+
+    name: str = "custom"
+    vocab_size: int = 256
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 0  # 0: same as heads (multi-head attention)
+    ffn_hidden: int = 0  # 0: Llama's rule, 8/3 * hidden rounded up to a multiple of 64
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = False
+    init_std: float = 0.02
+    # Mixture of Experts; num_experts == 0 means a dense model.
+    num_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1  # layer i is MoE when i % moe_every == moe_every - 1
+    first_dense_layers: int = 0  # layers below this index stay dense (DeepSeek-V3 style)
+    expert_ffn_hidden: int = 0  # 0: same as ffn_hidden
+    shared_experts: int = 0
+    router: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3 scores with a balancing bias)
+    renormalize: bool = True  # renormalise the top-k weights to sum to one
+    dropless: bool = True  # no token is dropped; otherwise each expert takes at most its capacity
+    capacity_factor: float = 1.25  # capacity per sequence = ceil(factor * seq_len * top_k / num_experts)
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    bias_update_rate: float = 0.0  # auxiliary-loss-free balancing step (sigmoid router only)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        raw = int(8 * self.hidden / 3)
+        return 64 * ((raw + 63) // 64)
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_ffn_hidden or self.ffn
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        if not self.is_moe or index < self.first_dense_layers:
+            return False
+        return index % self.moe_every == self.moe_every - 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is split over devices. Validated against the model by `fivefold.layout`."""
+
+    dp: int = 1
+    zero: int = 0
+    tp: int = 1
+    sequence_parallel: bool = False
+    pp: int = 1
+    vpp: int = 1
+    pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1
+    pp_layers: tuple[int, ...] = ()  # explicit layers per stage (overrides balancing)
+    ep: int = 1
+    cp: int = 1
+    cp_algorithm: str = "ring"  # allgather, ring, ulysses
+    micro_batch: int = 0  # samples per micro-batch per data-parallel rank; 0: derived
+    grad_accum: int = 0  # micro-batches per step; 0: derived from global batch and micro_batch
+    recompute: str = "none"  # none, selective (attention core), full (whole layer)
+    bucket_mb: float = 25.0  # gradient bucket size for data parallel
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16  # sequences per optimizer step, the same in every layout
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    dtype: str = "fp32"  # fp32, or bf16 (autocast with fp32 master weights)
+    seed: int = 1234
+    eval_interval: int = 50  # 0 disables validation
+    eval_batches: int = 4
+    log_interval: int = 1
+    device: str = "auto"  # auto, cpu, cuda
+    run_dir: str = ""  # empty: a new folder under runs/
+    trace: bool = False  # record a per-rank timeline of one step (Gantt PNG + Chrome trace)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "embedded"  # "embedded", or a .txt/.jsonl file or a folder of them
+    tokenizer: str = "bytes"  # "bytes", or a path to a Hugging Face tokenizer.json
+    val_fraction: float = 0.05
+    jsonl_field: str = "text"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 0  # steps between checkpoints; 0: only the final weights
+    keep: int = 3
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: Layout = field(default_factory=Layout)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def replace(self, **sections: Any) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def _coerce(path: str, value: Any, annotation: Any) -> Any:
+    """Check and convert one value against its field's annotation."""
+    hint = annotation if not isinstance(annotation, str) else eval(annotation, vars(typing), {})
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.replace(" ", "").split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list of integers, got {value!r}")
+        return tuple(_coerce(f"{path}[{i}]", v, int) for i, v in enumerate(value))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value))
+        except ValueError:
+            raise ConfigError(f"{path}: expected an integer, got {value!r}") from None
+    if hint is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+    if hint is str:
+        return str(value)
+    raise ConfigError(f"{path}: unsupported field type {hint!r}")
+
+
+def _merge_section(section: str, current: Any, values: dict[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(current)}
+    updates = {}
+    for key, value in values.items():
+        path = f"{section}.{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown key '{path}'; {section} accepts: {', '.join(sorted(fields))}")
+        updates[key] = _coerce(path, value, fields[key].type)
+    return dataclasses.replace(current, **updates)
+
+
+def merge(config: Config, values: dict[str, Any]) -> Config:
+    """Merge a nested dict ({"model": {...}, ...}) into `config`, checking every key."""
+    sections = {}
+    for section, body in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section '{section}'; use one of: {', '.join(SECTIONS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"'{section}' must be a table of keys, got {body!r}")
+        sections[section] = _merge_section(section, getattr(config, section), body)
+    return config.replace(**sections)
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        return path
+    preset = PRESET_DIR / f"{name_or_path}.toml"
+    if not preset.exists():
+        raise ConfigError(
+            f"no preset named '{name_or_path}'; presets: {', '.join(preset_names())}, or give a .toml path"
+        )
+    return preset
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """Turn ["train.steps=50", "layout.tp=2"] into a nested dict of strings."""
+    nested: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"override '{pair}' must look like section.key=value")
+        dotted, value = pair.split("=", 1)
+        parts = dotted.strip().lstrip("-").split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"override '{dotted}' must be section.key, e.g. train.steps")
+        nested.setdefault(parts[0], {})[parts[1]] = value
+    return nested
+
+
+def load_config(name_or_path: str | None = "small", overrides: list[str] | None = None) -> Config:
+    """Load a preset (or TOML file), then apply dotted `section.key=value` overrides."""
+    config = Config()
+    if name_or_path:
+        config = merge(config, load_toml(resolve_preset(name_or_path)))
+    if overrides:
+        config = merge(config, parse_overrides(overrides))
+    return config
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    """Rebuild a Config saved with `Config.to_dict` (e.g. next to saved weights)."""
+    return merge(Config(), values)

@@ -1,0 +1,319 @@
+"""Layout validation and the rank <-> coordinate maps (pure functions, no processes).
+
+Rank order, fastest-varying first: tp, cp, dp, pp (DESIGN.md). Tensor-parallel ranks are
+neighbours, like GPUs on one NVLink island. Expert-parallel groups are runs of `ep`
+consecutive ranks of the flattened (dp, cp) group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .config import Config, Layout, ModelConfig, TrainConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+CP_ALGORITHMS = ("allgather", "ring", "ulysses")
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("fp32", "bf16")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; the message names the problem and the values that would work."""
+
+
+@dataclass(frozen=True)
+class Coords:
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def rank_to_coords(rank: int, layout: Layout) -> Coords:
+    tp = rank % layout.tp
+    cp = (rank // layout.tp) % layout.cp
+    dp = (rank // (layout.tp * layout.cp)) % layout.dp
+    pp = rank // (layout.tp * layout.cp * layout.dp)
+    return Coords(pp=pp, dp=dp, cp=cp, tp=tp)
+
+
+def coords_to_rank(coords: Coords, layout: Layout) -> int:
+    return ((coords.pp * layout.dp + coords.dp) * layout.cp + coords.cp) * layout.tp + coords.tp
+
+
+def dp_cp_index(coords: Coords, layout: Layout) -> int:
+    """Position of a rank in its flattened (dp, cp) group, cp fastest."""
+    return coords.dp * layout.cp + coords.cp
+
+
+def ep_index(coords: Coords, layout: Layout) -> int:
+    """Rank inside the expert-parallel group (consecutive members of the dp x cp group)."""
+    return dp_cp_index(coords, layout) % layout.ep
+
+
+def edp_index(coords: Coords, layout: Layout) -> int:
+    """Rank inside the expert-data-parallel group (replicas of the same experts)."""
+    return dp_cp_index(coords, layout) // layout.ep
+
+
+def group_ranks(layout: Layout, axis: str) -> list[list[int]]:
+    """Every group of global ranks along `axis` (pp, dp, cp, tp, dp_cp, ep, edp)."""
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(layout.world_size):
+        c = rank_to_coords(rank, layout)
+        key = _group_key(c, layout, axis)
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())
+
+
+def _group_key(c: Coords, layout: Layout, axis: str) -> tuple:
+    if axis == "tp":
+        return (c.pp, c.dp, c.cp)
+    if axis == "cp":
+        return (c.pp, c.dp, c.tp)
+    if axis == "dp":
+        return (c.pp, c.cp, c.tp)
+    if axis == "pp":
+        return (c.dp, c.cp, c.tp)
+    if axis == "dp_cp":
+        return (c.pp, c.tp)
+    if axis == "ep":
+        return (c.pp, c.tp, edp_index(c, layout))
+    if axis == "edp":
+        return (c.pp, c.tp, ep_index(c, layout))
+    raise ValueError(f"unknown axis {axis!r}")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _must_divide(what: str, n: int, degree_name: str, degree: int, total: str) -> None:
+    if n % degree:
+        options = ", ".join(str(d) for d in divisors(n))
+        raise LayoutError(f"{degree_name}={degree} does not divide {n} {what}; use one of {options} ({total})")
+
+
+def _check_choices(layout: Layout) -> None:
+    for name in ("dp", "tp", "pp", "vpp", "ep", "cp"):
+        if getattr(layout, name) < 1:
+            raise LayoutError(f"layout.{name}={getattr(layout, name)} must be at least 1")
+    if layout.zero not in (0, 1, 2, 3):
+        raise LayoutError(f"layout.zero={layout.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if layout.pp_schedule not in SCHEDULES:
+        raise LayoutError(f"layout.pp_schedule='{layout.pp_schedule}' is unknown; use one of {', '.join(SCHEDULES)}")
+    if layout.cp_algorithm not in CP_ALGORITHMS:
+        raise LayoutError(
+            f"layout.cp_algorithm='{layout.cp_algorithm}' is unknown; use one of {', '.join(CP_ALGORITHMS)}"
+        )
+    if layout.recompute not in RECOMPUTE:
+        raise LayoutError(f"layout.recompute='{layout.recompute}' is unknown; use one of {', '.join(RECOMPUTE)}")
+    if layout.micro_batch < 0 or layout.grad_accum < 0:
+        raise LayoutError("layout.micro_batch and layout.grad_accum must be positive (or 0 to derive them)")
+    if layout.bucket_mb <= 0:
+        raise LayoutError(f"layout.bucket_mb={layout.bucket_mb} must be positive")
+
+
+def _check_tensor_parallel(layout: Layout, model: ModelConfig, train: TrainConfig) -> None:
+    tp = layout.tp
+    _must_divide("attention heads", model.heads, "tp", tp, "tensor parallel splits attention by heads")
+    kv = model.n_kv_heads
+    if kv % tp and tp % kv:
+        options = sorted(set(divisors(kv)) | {d for d in divisors(model.heads) if d % kv == 0})
+        raise LayoutError(
+            f"tp={tp} neither divides nor is a multiple of {kv} key/value heads; use one of "
+            f"{', '.join(map(str, options))}"
+        )
+    _must_divide("FFN width (model.ffn_hidden)", model.ffn, "tp", tp, "the MLP is split by columns")
+    if model.is_moe:
+        _must_divide("expert FFN width", model.expert_ffn, "tp", tp, "each expert is split by columns")
+    if layout.sequence_parallel:
+        if tp == 1:
+            raise LayoutError("layout.sequence_parallel needs tp > 1; set layout.tp or turn it off")
+        local = train.seq_len // layout.cp
+        if local % tp:
+            ok = [s for s in range(train.seq_len - 8, train.seq_len + 9) if s > 0 and s % (tp * layout.cp) == 0]
+            raise LayoutError(
+                f"sequence parallel splits each sequence chunk of {local} tokens over tp={tp}, which does not "
+                f"divide it; use a seq_len that is a multiple of {tp * layout.cp} (e.g. {', '.join(map(str, ok))})"
+            )
+
+
+def _check_pipeline(layout: Layout, model: ModelConfig, num_micro: int) -> None:
+    pp, vpp = layout.pp, layout.vpp
+    chunks = pp * vpp
+    if chunks > model.layers:
+        raise LayoutError(
+            f"pp={pp} x vpp={vpp} = {chunks} pipeline chunks but the model has only {model.layers} layers; "
+            f"use pp x vpp <= {model.layers}"
+        )
+    if layout.pp_layers:
+        if len(layout.pp_layers) != chunks:
+            raise LayoutError(
+                f"layout.pp_layers lists {len(layout.pp_layers)} stages but pp x vpp = {chunks}; give one count per chunk"
+            )
+        if sum(layout.pp_layers) != model.layers or min(layout.pp_layers) < 1:
+            raise LayoutError(
+                f"layout.pp_layers={list(layout.pp_layers)} must be positive and sum to the model's {model.layers} layers"
+            )
+    elif vpp > 1 and model.layers % chunks:
+        ok = [v for v in divisors(model.layers // pp) if model.layers % pp == 0] if model.layers % pp == 0 else []
+        raise LayoutError(
+            f"vpp={vpp} does not divide the layers per stage ({model.layers} layers over pp={pp}); "
+            + (f"use vpp in {ok}" if ok else f"use a pp that divides {model.layers}")
+            + " or give layout.pp_layers"
+        )
+    if vpp > 1 and layout.pp_schedule != "interleaved":
+        raise LayoutError(f"vpp={vpp} needs layout.pp_schedule='interleaved' (got '{layout.pp_schedule}')")
+    if layout.pp_schedule == "interleaved" and pp > 1 and num_micro % pp:
+        ok = [m for m in range(pp, 4 * pp + 1, pp)]
+        raise LayoutError(
+            f"the interleaved schedule needs a number of micro-batches that is a multiple of pp={pp}, got "
+            f"{num_micro}; use grad_accum in {ok} (global_batch = dp x micro_batch x grad_accum)"
+        )
+
+
+def _check_experts(layout: Layout, model: ModelConfig) -> None:
+    if layout.ep > 1 and not model.is_moe:
+        raise LayoutError(f"ep={layout.ep} needs a Mixture-of-Experts model (model.num_experts > 0)")
+    dp_cp = layout.dp * layout.cp
+    if dp_cp % layout.ep:
+        raise LayoutError(
+            f"ep={layout.ep} must divide dp x cp = {dp_cp} (experts are sharded inside the data-parallel group); "
+            f"use ep in {divisors(dp_cp)}"
+        )
+    if model.is_moe:
+        _must_divide("experts", model.num_experts, "ep", layout.ep, "each rank holds whole experts")
+
+
+def _check_context_parallel(layout: Layout, model: ModelConfig, train: TrainConfig) -> None:
+    cp = layout.cp
+    if cp == 1:
+        return
+    chunks = 2 * cp if layout.cp_algorithm == "ring" else cp
+    if train.seq_len % chunks:
+        ok = [s for s in range(chunks, train.seq_len + 2 * chunks, chunks)][-3:]
+        why = "zigzag ring attention cuts each sequence into 2 x cp chunks" if chunks == 2 * cp else "cp splits the sequence"
+        raise LayoutError(
+            f"seq_len={train.seq_len} is not divisible by {chunks} ({why}); use a multiple of {chunks}, e.g. {ok}"
+        )
+    if layout.cp_algorithm == "ulysses":
+        local_heads = model.heads // layout.tp
+        local_kv = max(model.n_kv_heads // layout.tp, 1)
+        if local_heads % cp or local_kv % cp:
+            raise LayoutError(
+                f"Ulysses needs the heads left after tp ({local_heads} query, {local_kv} key/value) divisible by "
+                f"cp={cp}; use cp in {[d for d in divisors(local_heads) if local_kv % d == 0]} or cp_algorithm='ring'"
+            )
+
+
+def _check_zero(layout: Layout) -> None:
+    if layout.zero > 0 and layout.dp * layout.cp == 1:
+        raise LayoutError(
+            f"zero={layout.zero} shards over data-parallel ranks but dp x cp = 1; set layout.dp > 1 or zero = 0"
+        )
+
+
+def resolve_batching(layout: Layout, train: TrainConfig) -> Layout:
+    """Fill in micro_batch and grad_accum so that dp x micro_batch x grad_accum = global_batch."""
+    per_rank, rest = divmod(train.global_batch, layout.dp)
+    if rest:
+        raise LayoutError(
+            f"global_batch={train.global_batch} does not split over dp={layout.dp}; use a multiple of {layout.dp}"
+        )
+    mb, acc = layout.micro_batch, layout.grad_accum
+    if mb and acc:
+        if mb * acc != per_rank:
+            raise LayoutError(
+                f"dp={layout.dp} x micro_batch={mb} x grad_accum={acc} = {layout.dp * mb * acc} but "
+                f"global_batch={train.global_batch}; change one of them"
+            )
+    elif mb:
+        if per_rank % mb:
+            raise LayoutError(
+                f"micro_batch={mb} does not divide the {per_rank} sequences per data-parallel rank; use one of "
+                f"{divisors(per_rank)}"
+            )
+        acc = per_rank // mb
+    elif acc:
+        if per_rank % acc:
+            raise LayoutError(
+                f"grad_accum={acc} does not divide the {per_rank} sequences per data-parallel rank; use one of "
+                f"{divisors(per_rank)}"
+            )
+        mb = per_rank // acc
+    else:
+        mb, acc = per_rank, 1
+    return dataclasses.replace(layout, micro_batch=mb, grad_accum=acc)
+
+
+def validate(config: Config, world_size: int | None = None) -> Config:
+    """Check the layout against the model, training shape and world size; return it resolved.
+
+    Raises LayoutError naming the problem and what would work, before any process starts.
+    """
+    layout, model, train = config.layout, config.model, config.train
+    _check_choices(layout)
+    _check_model(model)
+    if train.dtype not in DTYPES:
+        raise LayoutError(f"train.dtype='{train.dtype}' is unknown; use one of {', '.join(DTYPES)}")
+    if train.seq_len > model.max_seq_len:
+        raise LayoutError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+    if world_size is not None and world_size != layout.world_size:
+        raise LayoutError(
+            f"the layout needs pp x dp x cp x tp = {layout.pp}x{layout.dp}x{layout.cp}x{layout.tp} = "
+            f"{layout.world_size} processes but {world_size} were started"
+        )
+    layout = resolve_batching(layout, train)
+    _check_zero(layout)
+    _check_tensor_parallel(layout, model, train)
+    _check_pipeline(layout, model, layout.grad_accum)
+    _check_experts(layout, model)
+    _check_context_parallel(layout, model, train)
+    return config.replace(layout=layout)
+
+
+def _check_model(model: ModelConfig) -> None:
+    if model.hidden % model.heads:
+        raise LayoutError(f"model.hidden={model.hidden} is not divisible by model.heads={model.heads}")
+    if model.head_dim % 2:
+        raise LayoutError(f"head dimension {model.head_dim} must be even for rotary embeddings")
+    if model.heads % model.n_kv_heads:
+        raise LayoutError(
+            f"model.heads={model.heads} is not a multiple of model.kv_heads={model.n_kv_heads}; use one of "
+            f"{divisors(model.heads)}"
+        )
+    if model.is_moe:
+        if not 1 <= model.top_k <= model.num_experts:
+            raise LayoutError(f"model.top_k={model.top_k} must be between 1 and num_experts={model.num_experts}")
+        if model.capacity_factor <= 0:
+            raise LayoutError(
+                f"model.capacity_factor={model.capacity_factor} must be > 0 (it caps tokens per expert); "
+                "for no cap set model.dropless = true"
+            )
+        if model.router not in ("softmax", "sigmoid"):
+            raise LayoutError(f"model.router='{model.router}' is unknown; use softmax or sigmoid")
+        if model.moe_every < 1:
+            raise LayoutError("model.moe_every must be at least 1")
+    elif model.shared_experts or not model.dropless or model.bias_update_rate or model.router != "softmax":
+        raise LayoutError(
+            "MoE options (shared_experts, dropless, bias_update_rate, router) are set on a dense model; "
+            "set model.num_experts > 0 or remove them"
+        )
+
+
+def parse_layout_string(text: str) -> dict[str, str]:
+    """Parse "dp=2,tp=2,pp=2" into layout overrides."""
+    values = {}
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        if "=" not in part:
+            raise LayoutError(f"layout entry '{part}' must look like name=value, e.g. dp=2")
+        key, value = part.split("=", 1)
+        values[key] = value
+    return values

@@ -1,0 +1,201 @@
+"""The process groups of a layout, held in one explicit object.
+
+`Mesh` wraps torch's `DeviceMesh` (dims pp, dp, cp, tp) and adds the derived groups:
+`dp_cp` (gradients of non-expert parameters are averaged over it), `ep` (experts are
+sharded over it) and `edp` (expert data parallel: replicas of the same experts). Nothing
+here is global: whoever needs a group is handed the mesh or one of its axes.
+
+A single-process mesh (`Mesh.single()`) has every axis of size 1 and needs no
+`torch.distributed` at all, so the same training code runs with or without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import Layout
+from .layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
+
+AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "world")
+
+
+@dataclass
+class CommStats:
+    """Bytes each rank moves, per axis and per collective, counted by `fivefold.parallel.comm`.
+
+    `wire` is what the ring algorithm sends from this rank (e.g. 2(n-1)/n of the buffer for
+    an all-reduce) so it compares directly with the planner's analytic volumes; `buffer`
+    is the size of the tensors handed to the collective.
+    """
+
+    wire: dict[tuple[str, str], int] = field(default_factory=dict)
+    buffer: dict[tuple[str, str], int] = field(default_factory=dict)
+    calls: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def add(self, axis: str, op: str, buffer_bytes: int, wire_bytes: int) -> None:
+        key = (axis, op)
+        self.wire[key] = self.wire.get(key, 0) + wire_bytes
+        self.buffer[key] = self.buffer.get(key, 0) + buffer_bytes
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def axis_bytes(self, axis: str) -> int:
+        return sum(v for (a, _), v in self.wire.items() if a == axis)
+
+    def by_axis(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (axis, _), v in self.wire.items():
+            out[axis] = out.get(axis, 0) + v
+        return out
+
+    def reset(self) -> None:
+        self.wire.clear()
+        self.buffer.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {f"{a}/{op}": {"wire": self.wire[(a, op)], "calls": self.calls[(a, op)]} for (a, op) in self.wire}
+
+
+@dataclass
+class Axis:
+    """One communication axis as seen by this rank: its group, size, position and byte counter."""
+
+    name: str
+    group: Any  # a ProcessGroup, or None when the axis has size 1 and needs no communication
+    size: int
+    rank: int
+    ranks: list[int]  # global ranks of the group, in group order
+    stats: CommStats
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+
+class Mesh:
+    """Every process group of a layout, for this rank."""
+
+    def __init__(self, layout: Layout, axes: dict[str, Axis], device_mesh: Any, stats: CommStats) -> None:
+        self.layout = layout
+        self.axes = axes
+        self.device_mesh = device_mesh
+        self.stats = stats
+        self.rank = axes["world"].rank
+        self.coords: Coords = rank_to_coords(self.rank, layout)
+
+    def __getitem__(self, name: str) -> Axis:
+        return self.axes[name]
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    # Convenience accessors for the axes used most.
+    @property
+    def tp(self) -> Axis:
+        return self.axes["tp"]
+
+    @property
+    def pp(self) -> Axis:
+        return self.axes["pp"]
+
+    @property
+    def dp(self) -> Axis:
+        return self.axes["dp"]
+
+    @property
+    def cp(self) -> Axis:
+        return self.axes["cp"]
+
+    @property
+    def dp_cp(self) -> Axis:
+        return self.axes["dp_cp"]
+
+    @property
+    def ep(self) -> Axis:
+        return self.axes["ep"]
+
+    @property
+    def edp(self) -> Axis:
+        return self.axes["edp"]
+
+    @property
+    def world(self) -> Axis:
+        return self.axes["world"]
+
+    def rank_of(self, coords: Coords) -> int:
+        return coords_to_rank(coords, self.layout)
+
+    @classmethod
+    def single(cls, layout: Layout | None = None) -> "Mesh":
+        """A mesh for one process: every axis has size 1 and no group."""
+        layout = layout or Layout()
+        if layout.world_size != 1:
+            raise ValueError(f"Mesh.single() needs a layout of world size 1, got {layout.world_size}")
+        stats = CommStats()
+        axes = {name: Axis(name, None, 1, 0, [0], stats) for name in AXES}
+        return cls(layout, axes, None, stats)
+
+    @classmethod
+    def build(cls, layout: Layout, device_type: str = "cpu") -> "Mesh":
+        """Create every group of `layout`; must be called by all ranks of the default group."""
+        if layout.world_size == 1:
+            return cls.single(layout)
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh.build needs torch.distributed initialised (use torchrun or the test pool)")
+        world = dist.get_world_size()
+        if world != layout.world_size:
+            raise ValueError(f"layout needs {layout.world_size} processes, the job has {world}")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_mesh = init_device_mesh(
+            device_type, (layout.pp, layout.dp, layout.cp, layout.tp), mesh_dim_names=("pp", "dp", "cp", "tp")
+        )
+        stats = CommStats()
+        rank = dist.get_rank()
+        axes = {name: _axis_from_mesh(device_mesh, name, stats) for name in ("pp", "dp", "cp", "tp")}
+        for name in ("dp_cp", "ep", "edp"):
+            axes[name] = _derived_axis(layout, name, rank, stats)
+        axes["world"] = Axis("world", dist.group.WORLD, world, rank, list(range(world)), stats)
+        return cls(layout, axes, device_mesh, stats)
+
+
+def _axis_from_mesh(device_mesh: Any, name: str, stats: CommStats) -> Axis:
+    sub = device_mesh[name]
+    size = sub.size()
+    ranks = sub.mesh.flatten().tolist()
+    group = sub.get_group() if size > 1 else None
+    return Axis(name, group, size, sub.get_local_rank(), ranks, stats)
+
+
+def _derived_axis(layout: Layout, name: str, rank: int, stats: CommStats) -> Axis:
+    """Create the groups of a derived axis; every rank creates every group, in the same order."""
+    mine = None
+    group = None
+    for ranks in group_ranks(layout, name):
+        # new_group is collective over the default group: all ranks must call it for every group.
+        g = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine, group = ranks, g
+    assert mine is not None
+    return Axis(name, group, len(mine), mine.index(rank), mine, stats)
+
+
+def device_for(preference: str = "auto") -> torch.device:
+    """The device a rank computes on: CUDA (its local GPU) when available and wanted, else CPU."""
+    import os
+
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local)
+
+
+__all__ = ["Axis", "CommStats", "Mesh", "device_for", "ep_index", "edp_index"]

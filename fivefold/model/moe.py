@@ -1,0 +1,218 @@
+"""Mixture-of-Experts block: router, SwiGLU experts, optional shared experts (plain PyTorch).
+
+Layout-independent definitions, so every parallel layout reproduces the single-process model:
+- Capacity is per sequence: each expert accepts at most ceil(capacity_factor * T * k / E)
+  token-slots of one sequence, by priority: all first choices before second choices, and
+  within a choice rank, earlier positions first (GShard's order).
+- The auxiliary losses are per sequence and then summed over sequences; the training loop
+  divides by the global batch. Load balance (Switch Transformer / GShard):
+  E * sum_e f_e * P_e, with f_e the fraction of the sequence's k*T assignments routed to
+  expert e and P_e the mean router probability of e. Router z-loss (ST-MoE): mean over
+  tokens of logsumexp(logits)^2.
+
+Parallel layouts plug in through two attributes, set from outside:
+- `dispatcher`: moves token-slots to the experts and back (expert parallel swaps it);
+- `token_stats_reduce`: sums per-sequence statistics over the ranks that hold other tokens
+  of the same sequences (context and sequence parallel set it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts with stacked weights: gate, up (E, f, h) and down (E, h, f)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.up = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+
+    @property
+    def num_local(self) -> int:
+        return self.gate.shape[0]
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """tokens (N, h) grouped by expert, counts[e] rows each; returns (N, h)."""
+        outputs = []
+        start = 0
+        for e, n in enumerate(counts):
+            x = tokens[start : start + n]  # (n, h)
+            start += n
+            h = F.silu(x @ self.gate[e].t()) * (x @ self.up[e].t())  # (n, f)
+            outputs.append(h @ self.down[e].t())  # (n, h)
+        if not outputs:
+            return tokens.new_zeros(0, tokens.shape[-1])
+        return torch.cat(outputs, dim=0)
+
+
+def sort_slots_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order the kept token-slots by expert (stable, so ties keep slot order).
+
+    expert_ids, keep: (S,) flattened slots. Returns (order (S_kept,), counts (E,)).
+    """
+    kept = torch.nonzero(keep, as_tuple=False).squeeze(1)
+    order = kept[torch.argsort(expert_ids[kept], stable=True)]
+    counts = torch.bincount(expert_ids[kept], minlength=num_experts)
+    return order, counts
+
+
+class LocalDispatcher(nn.Module):
+    """Single-device dispatch: group token-slots by expert, run the experts, put results back."""
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor, experts: Experts
+    ) -> torch.Tensor:
+        """x (N, h); expert_ids, keep (N, k). Returns per-slot outputs (N*k, h), zero where dropped."""
+        N, k = expert_ids.shape
+        order, counts = sort_slots_by_expert(expert_ids.reshape(-1), keep.reshape(-1), experts.num_local)
+        y = experts(x[order // k], counts.tolist())
+        slots = x.new_zeros(N * k, x.shape[-1])
+        return slots.index_copy(0, order, y)
+
+
+def capacity_keep(
+    expert_ids: torch.Tensor, num_experts: int, capacity: int, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Which token-slots an expert accepts under a per-sequence capacity.
+
+    expert_ids (B, T, k). Priority: choice rank first, then position. `offsets` (B, k, E) are
+    slots of higher priority held elsewhere (other sequence chunks); by default the earlier
+    choice ranks of the same tokens. Returns keep (B, T, k) bool.
+    """
+    B, T, k = expert_ids.shape
+    one_hot = F.one_hot(expert_ids, num_experts)  # (B, T, k, E)
+    per_choice = one_hot.sum(dim=1)  # (B, k, E)
+    if offsets is None:
+        offsets = per_choice.cumsum(dim=1) - per_choice  # earlier choice ranks
+    # position of each slot in its expert's queue: earlier tokens of the same choice rank + offset
+    earlier = one_hot.cumsum(dim=1) - one_hot  # (B, T, k, E)
+    queue_pos = earlier + offsets[:, None, :, :]
+    queue_pos = (queue_pos * one_hot).sum(-1)  # (B, T, k)
+    return queue_pos < capacity
+
+
+class Router(nn.Module):
+    """Scores every token against every expert and picks the top k."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, kind: str, renormalize: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.top_k, self.kind, self.renormalize = top_k, kind, renormalize
+        # Auxiliary-loss-free balancing (DeepSeek-V3): a bias that steers selection only.
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, h) -> logits (B,T,E) fp32, probs (B,T,E), expert_ids (B,T,k), weights (B,T,k)."""
+        logits = self.gate(x).float()
+        if self.kind == "sigmoid":
+            scores = torch.sigmoid(logits)
+            _, ids = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+            weights = scores.gather(-1, ids)
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+            probs = scores / scores.sum(-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+        return logits, probs, ids, weights
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """Raise the bias of under-loaded experts and lower it for over-loaded ones."""
+        load = tokens_per_expert.float()
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+class MoE(nn.Module):
+    """Routed SwiGLU experts (plus optional shared experts) in place of the dense MLP."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        expert_ffn: int,
+        shared_experts: int = 0,
+        router: str = "softmax",
+        renormalize: bool = True,
+        dropless: bool = True,
+        capacity_factor: float = 1.25,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+    ) -> None:
+        super().__init__()
+        from .llama import MLP
+
+        self.num_experts, self.top_k = num_experts, top_k
+        self.dropless, self.capacity_factor = dropless, capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router = Router(hidden, num_experts, top_k, router, renormalize)
+        self.experts = Experts(num_experts, hidden, expert_ffn)
+        self.shared = MLP(hidden, expert_ffn * shared_experts) if shared_experts else None
+        self.dispatcher: nn.Module = LocalDispatcher()
+        self.token_stats_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.capacity_offsets: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Per-step statistics, summed over micro-batches; the training loop reads and resets them.
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("dropped_slots", torch.zeros(()), persistent=False)
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.token_stats_reduce is None else self.token_stats_reduce(t)
+
+    def _aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Sum over this micro-batch's sequences of the weighted per-sequence auxiliary losses."""
+        E, k = self.num_experts, self.top_k
+        B, T = logits.shape[0], logits.shape[1]
+        counts = F.one_hot(ids, E).sum(dim=(1, 2)).float()  # (B, E) assignments per sequence
+        stats = torch.cat(
+            [
+                counts,
+                probs.sum(dim=1),  # (B, E)
+                torch.logsumexp(logits, dim=-1).pow(2).sum(dim=1, keepdim=True),  # (B, 1)
+                torch.full((B, 1), float(T), device=logits.device),
+            ],
+            dim=1,
+        )
+        stats = self._reduce(stats)  # sums over the ranks holding the rest of each sequence
+        counts, prob_sum = stats[:, :E], stats[:, E : 2 * E]
+        z_sum, tokens = stats[:, 2 * E], stats[:, 2 * E + 1]
+        f = counts / (tokens[:, None] * k)
+        p = prob_sum / tokens[:, None]
+        balance = E * (f * p).sum(dim=1)  # (B,)
+        z = z_sum / tokens  # (B,)
+        return (self.aux_loss_coef * balance + self.z_loss_coef * z).sum()
+
+    def _keep_mask(self, ids: torch.Tensor, tokens_per_sequence: int) -> torch.Tensor:
+        if self.dropless:
+            return torch.ones_like(ids, dtype=torch.bool)
+        capacity = math.ceil(self.capacity_factor * tokens_per_sequence * self.top_k / self.num_experts)
+        offsets = self.capacity_offsets(ids) if self.capacity_offsets is not None else None
+        return capacity_keep(ids, self.num_experts, capacity, offsets)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, h) -> (y (B, T, h), summed auxiliary loss of this micro-batch's sequences)."""
+        B, T, h = x.shape
+        logits, probs, ids, weights = self.router(x)
+        tokens_per_sequence = T if self.token_stats_reduce is None else int(
+            self._reduce(torch.full((1, 1), float(T), device=x.device)).item()
+        )
+        keep = self._keep_mask(ids, tokens_per_sequence)
+        slots = self.dispatcher(x.reshape(B * T, h), ids.reshape(B * T, -1), keep.reshape(B * T, -1), self.experts)
+        slots = slots.view(B * T, self.top_k, h)
+        w = (weights * keep).to(slots.dtype).reshape(B * T, self.top_k, 1)
+        y = (slots * w).sum(dim=1).view(B, T, h)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        with torch.no_grad():
+            self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).float()
+            self.dropped_slots += (~keep).sum().float()
+        return y, self._aux_loss(logits, probs, ids)

@@ -1,0 +1,315 @@
+"""Every collective fivefold runs, each named by the axis it runs on and counted in bytes.
+
+Two layers:
+- plain collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `send_recv`)
+  that record, per axis, the bytes this rank puts on the wire under the ring algorithm;
+- autograd functions in conjugate pairs (Megatron's f/g operators), whose backward is the
+  transpose of their forward: identity <-> all-reduce, split <-> all-gather,
+  all-gather <-> reduce-scatter, all-to-all <-> reverse all-to-all.
+
+An axis of size 1 short-circuits every operation, so single-process code pays nothing.
+Wire bytes per rank (n = group size, B = full buffer bytes):
+all-reduce 2(n-1)/n B; all-gather and reduce-scatter (n-1)/n B; all-to-all the bytes
+sent to other ranks; point-to-point the bytes sent.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import Axis
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _record(axis: Axis, op: str, buffer_bytes: int, wire_bytes: int) -> None:
+    axis.stats.add(axis.name, op, buffer_bytes, wire_bytes)
+
+
+# ----------------------------------------------------------------------------- plain collectives
+
+
+def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce; op is "sum", "avg" (sum then divide) or "max"."""
+    if axis.size == 1:
+        return None
+    n = axis.size
+    _record(axis, "all_reduce", _nbytes(tensor), 2 * (n - 1) * _nbytes(tensor) // n)
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    work = dist.all_reduce(tensor, op=reduce_op, group=axis.group, async_op=async_op)
+    if op == "avg":
+        if async_op:
+            return _DivideOnWait(work, tensor, n)
+        tensor.div_(n)
+    return work
+
+
+class _DivideOnWait:
+    """An async all-reduce handle that turns the sum into a mean when waited on."""
+
+    def __init__(self, work, tensor: torch.Tensor, n: int) -> None:
+        self.work, self.tensor, self.n = work, tensor, n
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.tensor.div_(self.n)
+
+
+def all_gather(tensor: torch.Tensor, axis: Axis, dim: int = 0, async_op: bool = False):
+    """Concatenate every rank's `tensor` along `dim`. Returns the output (and work if async)."""
+    if axis.size == 1:
+        return (tensor, None) if async_op else tensor
+    n = axis.size
+    local = tensor.contiguous()
+    out = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+    if dim != 0:
+        local = local.movedim(dim, 0).contiguous()
+        out = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+    _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
+    work = dist.all_gather_single(out, local, group=axis.group, async_op=async_op)
+    if dim != 0:
+        if async_op:
+            work.wait()
+            work = None
+        out = out.movedim(0, dim)
+    return (out, work) if async_op else out
+
+
+def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "sum", async_op: bool = False):
+    """Sum (or average) `tensor` over the axis and keep this rank's 1/n slice along `dim`."""
+    if axis.size == 1:
+        return (tensor, None) if async_op else tensor
+    n = axis.size
+    full = tensor if dim == 0 else tensor.movedim(dim, 0)
+    full = full.contiguous()
+    if full.shape[0] % n:
+        raise ValueError(f"reduce_scatter on axis {axis.name}: dim size {full.shape[0]} not divisible by {n}")
+    out = torch.empty((full.shape[0] // n,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
+    _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
+    work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
+    if async_op and (op == "avg" or dim != 0):
+        work.wait()
+        work = None
+    if op == "avg":
+        out.div_(n)
+    if dim != 0:
+        out = out.movedim(0, dim)
+    return (out, work) if async_op else out
+
+
+def broadcast(tensor: torch.Tensor, axis: Axis, src_group_rank: int = 0) -> torch.Tensor:
+    if axis.size == 1:
+        return tensor
+    n = axis.size
+    _record(axis, "broadcast", _nbytes(tensor), (n - 1) * _nbytes(tensor) // n)
+    dist.broadcast(tensor, src=axis.global_rank(src_group_rank), group=axis.group)
+    return tensor
+
+
+def all_to_all(
+    tensor: torch.Tensor, axis: Axis, send_splits: Sequence[int] | None = None, recv_splits: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Exchange row blocks along dim 0: block i of `tensor` goes to group rank i.
+
+    With no splits, the rows are split evenly. Returns the received rows, in rank order.
+    """
+    if axis.size == 1:
+        return tensor
+    n = axis.size
+    tensor = tensor.contiguous()
+    if send_splits is None:
+        if tensor.shape[0] % n:
+            raise ValueError(f"all_to_all on axis {axis.name}: {tensor.shape[0]} rows not divisible by {n}")
+        send_splits = [tensor.shape[0] // n] * n
+    if recv_splits is None:
+        recv_splits = list(send_splits)
+    row_bytes = tensor.element_size() * math.prod(tensor.shape[1:])
+    out = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    sent_to_others = sum(s for i, s in enumerate(send_splits) if i != axis.rank) * row_bytes
+    _record(axis, "all_to_all", _nbytes(tensor), sent_to_others)
+    dist.all_to_all_single(
+        out, tensor, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=axis.group
+    )
+    return out
+
+
+def send_recv(
+    axis: Axis,
+    sends: Sequence[tuple[torch.Tensor, int]] = (),
+    recvs: Sequence[tuple[torch.Tensor, int]] = (),
+    op_name: str = "p2p",
+) -> list:
+    """Post point-to-point sends and receives together (batched); peers are group ranks.
+
+    Returns the work handles; the caller waits on them. Only sent bytes are counted.
+    """
+    ops = []
+    for tensor, peer in sends:
+        _record(axis, op_name, _nbytes(tensor), _nbytes(tensor))
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), axis.global_rank(peer), group=axis.group))
+    for tensor, peer in recvs:
+        ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
+    if not ops:
+        return []
+    return dist.batch_isend_irecv(ops)
+
+
+# ----------------------------------------------------------------------------- autograd pairs
+
+
+class _CopyToAxis(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (the input feeds every rank's shard)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.axis)
+        return grad, None
+
+
+class _ReduceFromAxis(torch.autograd.Function):
+    """Forward: all-reduce (sum partial results). Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        out = x.contiguous().clone()
+        all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitToAxis(torch.autograd.Function):
+    """Forward: keep this rank's chunk along dim. Backward: all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.axis, dim=ctx.dim), None, None
+
+
+class _GatherFromAxis(torch.autograd.Function):
+    """Forward: all-gather along dim. Backward: keep this rank's chunk of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return all_gather(x, axis, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.axis.size, dim=ctx.dim)[ctx.axis.rank].contiguous(), None, None
+
+
+class _AllGatherReduceScatter(torch.autograd.Function):
+    """Forward: all-gather along dim. Backward: reduce-scatter (sequence parallel's entry)."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return all_gather(x, axis, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.axis, dim=ctx.dim), None, None
+
+
+class _ReduceScatterAllGather(torch.autograd.Function):
+    """Forward: reduce-scatter along dim. Backward: all-gather (sequence parallel's exit)."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return reduce_scatter(x, axis, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.axis, dim=ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all with (uneven) splits. Backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, axis, send_splits, recv_splits):
+        ctx.axis, ctx.send, ctx.recv = axis, send_splits, recv_splits
+        return all_to_all(x, axis, send_splits, recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.axis, ctx.recv, ctx.send), None, None, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: all-reduce sum. Backward: all-reduce sum (for a value every rank then uses)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        out = x.contiguous().clone()
+        all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        all_reduce(grad, ctx.axis)
+        return grad, None
+
+
+def copy_to(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _CopyToAxis.apply(x, axis)
+
+
+def reduce_from(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _ReduceFromAxis.apply(x, axis)
+
+
+def split_to(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    return x if axis.size == 1 else _SplitToAxis.apply(x, axis, dim)
+
+
+def gather_from(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    return x if axis.size == 1 else _GatherFromAxis.apply(x, axis, dim)
+
+
+def all_gather_to_full(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Sequence-parallel entry: all-gather forward, reduce-scatter backward."""
+    return x if axis.size == 1 else _AllGatherReduceScatter.apply(x, axis, dim)
+
+
+def reduce_scatter_to_shard(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """Sequence-parallel exit: reduce-scatter forward, all-gather backward."""
+    return x if axis.size == 1 else _ReduceScatterAllGather.apply(x, axis, dim)
+
+
+def all_to_all_autograd(
+    x: torch.Tensor, axis: Axis, send_splits: Sequence[int] | None = None, recv_splits: Sequence[int] | None = None
+) -> torch.Tensor:
+    if axis.size == 1:
+        return x
+    send = list(send_splits) if send_splits is not None else None
+    recv = list(recv_splits) if recv_splits is not None else send
+    return _AllToAll.apply(x, axis, send, recv)
+
+
+def sum_over(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """All-reduce sum whose gradient is also summed: for statistics every rank uses in its loss."""
+    return x if axis.size == 1 else _AllReduceSum.apply(x, axis)

@@ -1,0 +1,147 @@
+"""AdamW written element-wise, the global gradient norm, and the optimizer of replicated weights.
+
+The update is one element-wise function shared by every layout: ZeRO applies it to flat
+shards, the plain optimizer to whole tensors, and both compute bit-for-bit the same numbers
+for the same elements. Gradients arrive already reduced (summed over data-parallel ranks,
+since each rank's loss is already divided by the tokens of the whole global batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
+import torch
+import torch.nn as nn
+
+from ..config import TrainConfig
+from ..mesh import Mesh
+from . import comm
+from .sharding import get_placement, replica_count
+
+
+@dataclass(frozen=True)
+class AdamWSettings:
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    @classmethod
+    def from_train(cls, train: TrainConfig) -> "AdamWSettings":
+        return cls(train.beta1, train.beta2, train.eps, train.weight_decay)
+
+
+def decays(name: str, ndim: int) -> bool:
+    """Weight decay applies to matrices, not to norms, biases or the router's balancing bias."""
+    return ndim >= 2
+
+
+@torch.no_grad()
+def adamw_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    settings: AdamWSettings,
+    weight_decay: bool,
+) -> None:
+    """One decoupled-weight-decay Adam step (Loshchilov & Hutter 2019), in place, fp32 state."""
+    g = grad.to(exp_avg.dtype)
+    exp_avg.lerp_(g, 1 - settings.beta1)
+    exp_avg_sq.mul_(settings.beta2).addcmul_(g, g, value=1 - settings.beta2)
+    bias1 = 1 - settings.beta1**step
+    bias2 = 1 - settings.beta2**step
+    denom = (exp_avg_sq / bias2).sqrt_().add_(settings.eps)
+    if weight_decay and settings.weight_decay:
+        param.mul_(1 - lr * settings.weight_decay)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+def global_grad_norm(named: list[tuple[str, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
+    """sqrt of the sum of squared gradients of the full model, each element counted once.
+
+    A shard replicated on r ranks adds 1/r of its square on each, then one sum over the world.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for name, param in named:
+        if param.grad is None:
+            continue
+        r = replica_count(get_placement(param, name), mesh)
+        total += param.grad.detach().double().pow(2).sum().cpu() / r
+    if mesh.world.size > 1:
+        comm.all_reduce(total, mesh.world)
+    return total.sqrt()
+
+
+class TrainingOptimizer(Protocol):
+    """What the training loop needs from data parallel + optimizer, whatever the ZeRO stage."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+
+    def finish_grad_sync(self) -> None: ...
+
+    def clip_grad_norm(self, max_norm: float) -> float: ...
+
+    def step(self, lr: float) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+class ReplicatedAdamW:
+    """AdamW over parameters every data-parallel rank holds whole (no data parallelism here).
+
+    Used alone when dp x cp = 1; the data-parallel and ZeRO optimizers replace it otherwise.
+    `grad_finalizers` run after the gradients are complete (e.g. summing sequence-parallel norm
+    gradients over tp) and before the norm is taken.
+    """
+
+    def __init__(self, modules: list[nn.Module], mesh: Mesh, settings: AdamWSettings) -> None:
+        self.mesh, self.settings = mesh, settings
+        self.named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        self.state = {id(p): (torch.zeros_like(p), torch.zeros_like(p)) for _, p in self.named}
+        self.steps = 0
+        self.grad_finalizers: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def finish_grad_sync(self) -> None:
+        for finalize in self.grad_finalizers:
+            finalize()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        norm = global_grad_norm(self.named, self.mesh)
+        if max_norm > 0:
+            coef = max_norm / (float(norm) + 1e-6)
+            if coef < 1:
+                for _, p in self.named:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return float(norm)
+
+    def step(self, lr: float) -> None:
+        self.steps += 1
+        for name, p in self.named:
+            if p.grad is None:
+                continue
+            m, v = self.state[id(p)]
+            adamw_update_(p.data, p.grad, m, v, self.steps, lr, self.settings, decays(name, p.dim()))
+
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            p.grad = None
+
+
+def lr_at(step: int, train: TrainConfig) -> float:
+    """Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step."""
+    if train.warmup_steps and step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    span = max(train.steps - train.warmup_steps, 1)
+    progress = min((step - train.warmup_steps) / span, 1.0)
+    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))

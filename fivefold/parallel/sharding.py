@@ -1,0 +1,174 @@
+"""Where each local tensor sits inside the full model: placements, materialisation, gathering.
+
+Every parameter a rank holds is a box (a chunk along some dims) of one tensor of the full
+single-device model, replicated over some mesh axes. Strategies that split a parameter
+record that on it (`set_placement`); everything layout-independent builds on it:
+deterministic initialisation of shards, gathering full tensors for parity checks and
+checkpoints, and counting each gradient once in the global norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+from ..mesh import Mesh
+from ..model.init import canonical_name, initial_value
+from . import comm
+
+_ATTR = "_fivefold_placement"
+
+
+@dataclass(frozen=True)
+class Split:
+    """Chunk `index` of `count` equal chunks along `dim` (of the tensor after earlier splits)."""
+
+    dim: int
+    index: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a local tensor relates to the full tensor called `name`.
+
+    `padded_shape` is the full shape after padding (e.g. a vocabulary padded to a multiple of
+    tp); the padding rows never exist in the full model. `replicated_over` names the mesh axes
+    whose ranks hold identical copies of this local tensor.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    splits: tuple[Split, ...] = ()
+    padded_shape: tuple[int, ...] | None = None
+    replicated_over: tuple[str, ...] = ("dp_cp", "tp")
+    # Chunks that repeat: a kv head shared by several tp ranks is chunk index // repeat.
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def with_split(self, split: Split, drop_axis: str | None = None) -> "Placement":
+        over = tuple(a for a in self.replicated_over if a != drop_axis)
+        return replace(self, splits=self.splits + (split,), replicated_over=over)
+
+    def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, local shape) of this shard inside the padded full tensor."""
+        shape = list(self.padded_shape or self.global_shape)
+        offsets = [0] * len(shape)
+        for s in self.splits:
+            size = shape[s.dim] // s.count
+            offsets[s.dim] += s.index * size
+            shape[s.dim] = size
+        return tuple(offsets), tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This shard's slice of the full tensor (padding with zeros where needed)."""
+        if self.padded_shape and tuple(self.padded_shape) != tuple(full.shape):
+            padded = full.new_zeros(self.padded_shape)
+            padded[tuple(slice(0, n) for n in full.shape)] = full
+            full = padded
+        offsets, shape = self.box()
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+        return full[index]
+
+
+def default_placement(name: str, shape: tuple[int, ...]) -> Placement:
+    return Placement(name=name, global_shape=tuple(shape))
+
+
+def get_placement(param: torch.Tensor, name: str) -> Placement:
+    return getattr(param, _ATTR, None) or default_placement(name, tuple(param.shape))
+
+
+def set_placement(param: torch.Tensor, placement: Placement) -> None:
+    setattr(param, _ATTR, placement)
+
+
+def replica_count(placement: Placement, mesh: Mesh) -> int:
+    return math.prod(mesh[a].size for a in placement.replicated_over)
+
+
+def is_primary(placement: Placement, mesh: Mesh) -> bool:
+    """The one replica (lowest rank on every replicated axis) that speaks for all copies."""
+    return all(mesh[a].rank == 0 for a in placement.replicated_over)
+
+
+def _local_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(model.named_parameters()) + [
+        (n, b) for n, b in model.named_buffers() if not n.endswith(("tokens_per_expert", "dropped_slots"))
+    ]
+    return named
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, config: ModelConfig, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """Allocate a (meta-built, possibly sharded) model on `device` with its deterministic values.
+
+    Each local tensor receives its slice of the full initial value, so every layout starts
+    from the weights of the single-process model.
+    """
+    model.to_empty(device=device)
+    for name, tensor in _local_tensors(model):
+        placement = get_placement(tensor, name)
+        full = initial_value(canonical_name(placement.name, config), placement.global_shape, seed, config)
+        tensor.copy_(placement.take(full))
+    for name, buf in model.named_buffers():
+        if name.endswith(("tokens_per_expert", "dropped_slots")):
+            buf.zero_()
+    return model
+
+
+@torch.no_grad()
+def gather_full_state(
+    modules: list[nn.Module], mesh: Mesh, shapes: dict[str, tuple[int, ...]], values: str = "data"
+) -> dict[str, torch.Tensor]:
+    """Full tensors of the whole model (every rank gets them), from this rank's shards.
+
+    `shapes` are the full model's tensor shapes by name (from a meta-built reference).
+    values="grad" gathers gradients instead. The primary replica of each shard writes it into
+    a zero tensor and one sum over the world assembles everything exactly (adding zeros
+    changes no bit). Meant for tests, parity checks and small models.
+    """
+    full = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    for module in modules:
+        for name, tensor in _local_tensors(module):
+            placement = get_placement(tensor, name)
+            if not is_primary(placement, mesh):
+                continue
+            source = tensor.grad if values == "grad" else tensor
+            if source is None:
+                continue
+            target = full[placement.name]
+            if placement.padded_shape and tuple(placement.padded_shape) != tuple(target.shape):
+                padded = target.new_zeros(placement.padded_shape)
+                _write_box(padded, placement, source)
+                target += padded[tuple(slice(0, n) for n in target.shape)]
+            else:
+                _write_box(target, placement, source)
+    if mesh.world.size > 1:
+        names = sorted(full)
+        flat = torch.cat([full[n].reshape(-1) for n in names])
+        comm.all_reduce(flat, mesh.world)
+        offset = 0
+        for n in names:
+            numel = full[n].numel()
+            full[n] = flat[offset : offset + numel].view_as(full[n])
+            offset += numel
+    return full
+
+
+def _write_box(target: torch.Tensor, placement: Placement, source: torch.Tensor) -> None:
+    offsets, shape = placement.box()
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+    target[index] += source.detach().to(target.dtype).reshape(shape)
+
+
+def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of every parameter (and persistent buffer) of the full model."""
+    from ..model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    return {n: tuple(t.shape) for n, t in _local_tensors(model)}

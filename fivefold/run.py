@@ -1,0 +1,106 @@
+"""A whole training run: processes, data, the loop with progress and metrics, final weights."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .config import Config
+from .data import Sampler, load_tokenizer, load_tokens
+from .layout import validate
+from .mesh import Mesh, device_for
+from .parallel.sharding import full_shapes, gather_full_state
+from .train import MetricsLog, build, evaluate, step_record, train_step
+
+
+def init_distributed(config: Config) -> tuple[Mesh, torch.device]:
+    """Join the torchrun job (if any) and build the mesh; NCCL on GPUs, gloo on CPUs."""
+    device = device_for(config.train.device)
+    if config.layout.world_size == 1:
+        return Mesh.single(config.layout), device
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+    return Mesh.build(config.layout, device_type=device.type), device
+
+
+def new_run_dir(config: Config) -> Path:
+    if config.train.run_dir:
+        return Path(config.train.run_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{config.model.name}-{stamp}"
+
+
+def save_final_weights(model, run_dir: Path, config: Config) -> Path | None:
+    """Gather the full model and write model.safetensors + config.json (rank 0)."""
+    from safetensors.torch import save_file
+
+    full = gather_full_state(model.chunks, model.mesh, full_shapes(config.model))
+    if model.mesh.rank != 0:
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in full.items()}, str(path))
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    return path
+
+
+def _progress(enabled: bool, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeRemainingColumn(),
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def run_training(config: Config, run_dir: Path | None = None, show_progress: bool = True) -> list[dict]:
+    """Train `config` on this process's part of the layout; returns the per-step records."""
+    config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
+    mesh, device = init_distributed(config)
+    torch.manual_seed(config.train.seed)
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={config.model.vocab_size}; "
+            f"set model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    data = load_tokens(config.data, tokenizer)
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    model = build(config, mesh, device)
+    is_main = mesh.rank == 0
+    run_dir = run_dir or new_run_dir(config)
+    log = MetricsLog(run_dir, enabled=is_main)
+    if is_main:
+        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    records = []
+    with _progress(is_main and show_progress, config.train.steps) as progress:
+        task = progress.add_task("train", total=config.train.steps, loss=float("nan"), tps=0.0)
+        for step in range(config.train.steps):
+            result = train_step(model, sampler, step)
+            record = step_record(result)
+            if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:
+                record["val_loss"] = evaluate(model, data, config.train.eval_batches)
+            records.append(record)
+            log.write(record)
+            progress.update(task, advance=1, loss=result.loss, tps=record["tokens_per_s"])
+    path = save_final_weights(model, run_dir, config)
+    log.close()
+    if is_main and path is not None:
+        first, last = records[0]["loss"], records[-1]["loss"]
+        print(f"loss {first:.4f} -> {last:.4f} in {len(records)} steps; weights: {path}; metrics: {log.path}")
+    return records
+

@@ -1,0 +1,210 @@
+"""The training loop: one step = forward/backward over the micro-batches, sync, clip, update.
+
+The loss of a step is the mean token loss of the global batch: every micro-batch adds its
+sum of token losses divided by the number of tokens in the global batch, and its summed
+per-sequence MoE auxiliary loss divided by the number of sequences. Gradients are then
+summed (not averaged) over data-parallel ranks, which makes every layout compute the
+gradient of the same scalar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Config
+from .data import Sampler, TokenData, micro_batches
+from .mesh import Mesh
+from .parallel import comm
+from .parallel.optim import lr_at
+from .parallelize import MicroBatch, ParallelModel, parallelize
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float  # mean token loss of the global batch (without auxiliary losses)
+    aux_loss: float  # MoE auxiliary losses, averaged over the global batch's sequences
+    grad_norm: float
+    lr: float
+    seconds: float
+    tokens: int
+    moe: dict[str, Any] = field(default_factory=dict)
+
+
+def autocast_for(config: Config, device: torch.device) -> contextlib.AbstractContextManager:
+    if config.train.dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def local_micro_batches(model: ParallelModel, sampler: Sampler, step: int) -> list[MicroBatch]:
+    """This rank's micro-batches of step `step`: its data-parallel rows, its sequence chunk."""
+    mesh, layout = model.mesh, model.config.layout
+    inputs, targets = sampler.local_batch_at(step, mesh.dp.rank, mesh.dp.size)
+    device = model.extras.get("device", torch.device("cpu"))
+    return [
+        model.shard_sequence(x.to(device), y.to(device))
+        for x, y in micro_batches(inputs, targets, layout.grad_accum)
+    ]
+
+
+def forward_backward(model: ParallelModel, batches: list[MicroBatch], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient accumulation without a pipeline. Returns this rank's (loss sum, aux sum), detached."""
+    train = model.config.train
+    token_scale = 1.0 / (train.global_batch * train.seq_len)
+    sequence_scale = 1.0 / train.global_batch
+    chunk = model.chunks[0]
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    aux_sum = torch.zeros((), dtype=torch.float64)
+    for i, mb in enumerate(batches):
+        last = i == len(batches) - 1
+        sync = contextlib.nullcontext() if last else model.optimizer.no_sync()
+        with sync:
+            with autocast_for(model.config, device):
+                logits, aux = chunk(mb.inputs, mb.positions)
+                ce = model.loss_fn(logits, mb.targets)
+            loss = ce * token_scale
+            if aux is not None:
+                loss = loss + aux * sequence_scale
+                aux_sum += aux.detach().double().cpu()
+            loss.backward()
+        loss_sum += ce.detach().double().cpu()
+    return loss_sum, aux_sum
+
+
+def _report_sum(value: torch.Tensor, mesh: Mesh, contributes: bool) -> float:
+    """Sum a per-rank value over the ranks that own distinct parts of it."""
+    value = value.clone() if contributes else torch.zeros_like(value)
+    comm.all_reduce(value, mesh.world)
+    return float(value)
+
+
+def moe_statistics(model: ParallelModel) -> dict[str, Any]:
+    """Tokens per expert, imbalance (max / mean) and dropped fraction per MoE layer, this step."""
+    stats: dict[str, Any] = {}
+    mesh = model.mesh
+    for chunk in model.chunks:
+        for name, moe in chunk.moe_layers().items():
+            counts = torch.cat([moe.tokens_per_expert, moe.dropped_slots.reshape(1)]).double()
+            if mesh.tp.rank != 0:
+                counts.zero_()  # tp ranks see the same tokens unless sequence parallel splits them
+            if getattr(moe, "stats_axes", None):
+                for axis in moe.stats_axes:
+                    comm.all_reduce(counts, mesh[axis])
+            else:
+                comm.all_reduce(counts, mesh.dp_cp)
+                comm.all_reduce(counts, mesh.tp)
+            per_expert = counts[:-1]
+            total = float(per_expert.sum())
+            stats[f"layer{name}"] = {
+                "tokens_per_expert": [int(c) for c in per_expert.tolist()],
+                "imbalance": float(per_expert.max() / per_expert.mean()) if total else 0.0,
+                "dropped_fraction": float(counts[-1]) / total if total else 0.0,
+            }
+            rate = model.config.model.bias_update_rate
+            if rate and moe.router.kind == "sigmoid":
+                moe.router.update_bias(per_expert.float(), rate)
+            moe.tokens_per_expert.zero_()
+            moe.dropped_slots.zero_()
+    return stats
+
+
+def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
+    """One optimizer step on the global batch of `step`."""
+    start = time.perf_counter()
+    device = model.extras.get("device", torch.device("cpu"))
+    batches = local_micro_batches(model, sampler, step)
+    if model.runner is not None:
+        loss_sum, aux_sum = model.runner.run(batches)
+    else:
+        loss_sum, aux_sum = forward_backward(model, batches, device)
+    model.optimizer.finish_grad_sync()
+    grad_norm = model.optimizer.clip_grad_norm(model.config.train.grad_clip)
+    lr = lr_at(step, model.config.train)
+    model.optimizer.step(lr)
+    model.optimizer.zero_grad()
+    mesh, train = model.mesh, model.config.train
+    owns_loss = model.is_last_stage and mesh.tp.rank == 0
+    loss = _report_sum(loss_sum, mesh, owns_loss) / (train.global_batch * train.seq_len)
+    aux = _report_sum(aux_sum, mesh, mesh.tp.rank == 0 and model.extras.get("aux_owner", True)) / train.global_batch
+    moe = moe_statistics(model) if model.config.model.is_moe else {}
+    return StepResult(step, loss, aux, grad_norm, lr, time.perf_counter() - start, train.global_batch * train.seq_len, moe)
+
+
+@torch.no_grad()
+def evaluate(model: ParallelModel, data: TokenData, batches: int) -> float:
+    """Mean token loss on the validation split (the first `batches` global batches of it)."""
+    train = model.config.train
+    sampler = Sampler(data.val, train.seq_len, train.global_batch, seed=train.seed + 1)
+    device = model.extras.get("device", torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64)
+    for step in range(batches):
+        mbs = local_micro_batches(model, sampler, step)
+        if model.runner is not None:
+            total += model.runner.evaluate(mbs)
+        else:
+            for mb in mbs:
+                with autocast_for(model.config, device):
+                    logits, _ = model.chunks[0](mb.inputs, mb.positions)
+                    total += model.loss_fn(logits, mb.targets).double().cpu()
+    owns = model.is_last_stage and model.mesh.tp.rank == 0
+    return _report_sum(total, model.mesh, owns) / (batches * train.global_batch * train.seq_len)
+
+
+class MetricsLog:
+    """Appends one JSON object per step to metrics.jsonl, and to TensorBoard when installed."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except Exception:  # tensorboard is optional
+                self.tb = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def step_record(result: StepResult) -> dict[str, Any]:
+    record = {
+        "step": result.step,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "step_seconds": result.seconds,
+        "tokens_per_s": result.tokens / result.seconds if result.seconds else 0.0,
+    }
+    if result.moe:
+        record["aux_loss"] = result.aux_loss
+        record["moe"] = result.moe
+    return record
+
+
+def build(config: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
+    model = parallelize(config, mesh, device)
+    model.extras["device"] = device
+    return model

@@ -1,0 +1,40 @@
+"""Shared fixtures: the pool of gloo worker processes and cached single-process references."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from fivefold.testing import PoolSet  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """Gloo worker pools of 2, 4 and 8 ranks, started on first use and kept for the session."""
+    pool_set = PoolSet()
+    yield pool_set
+    pool_set.close()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_of_single(config, steps: int):
+    from fivefold.parity import run_reference
+
+    return run_reference(config, steps)
+
+
+def cached_reference(config, steps: int):
+    from fivefold.parity import reference_config
+
+    return _reference_of_single(reference_config(config), steps)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """reference(config, steps): the single-process trace of `config`, computed once per session."""
+    return cached_reference

@@ -1,0 +1,97 @@
+"""The mesh's groups follow DESIGN.md's rank order, and comm.py's collectives count bytes exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from fivefold.config import Layout
+from fivefold.layout import group_ranks
+
+
+def _mesh_groups(ctx, layout: Layout):
+    mesh = ctx.mesh(layout)
+    return {name: mesh[name].ranks for name in ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp")}
+
+
+def test_mesh_groups_match_rank_order(pools):
+    layout = Layout(pp=2, dp=2, cp=1, tp=2, ep=2)
+    results = pools.run(8, _mesh_groups, layout)
+    for rank, groups in enumerate(results):
+        for axis, ranks in groups.items():
+            expected = next(g for g in group_ranks(layout, axis) if rank in g)
+            assert ranks == expected, (rank, axis)
+    assert results[0]["tp"] == [0, 1]  # tensor-parallel ranks are neighbours
+    assert results[0]["pp"] == [0, 4]
+
+
+def _collectives(ctx):
+    from fivefold.parallel import comm
+
+    mesh = ctx.mesh(Layout(dp=2, tp=2))
+    tp = mesh.tp
+    x = torch.full((4, 6), float(ctx.rank + 1))
+    reduced = x.clone()
+    comm.all_reduce(reduced, tp)
+    gathered = comm.all_gather(x[:, :3].contiguous(), tp, dim=1)
+    scattered = comm.reduce_scatter(x, tp, dim=0)
+    sent = torch.arange(8.0).reshape(4, 2) + 10 * ctx.rank
+    received = comm.all_to_all(sent, tp, send_splits=[1, 3], recv_splits=[1, 1] if tp.rank == 0 else [3, 3])
+    return reduced, gathered.shape, scattered, received, dict(mesh.stats.wire)
+
+
+def test_collectives_values_and_bytes(pools):
+    results = pools.run(4, _collectives)
+    reduced, gathered_shape, scattered, _, wire = results[0]
+    assert torch.equal(reduced, torch.full((4, 6), 3.0))  # ranks 0 and 1 form tp group: 1 + 2
+    assert gathered_shape == (4, 6)
+    assert torch.equal(scattered, torch.full((2, 6), 3.0))
+    f = 4  # bytes per float32
+    assert wire[("tp", "all_reduce")] == 2 * 1 * 24 * f // 2
+    assert wire[("tp", "all_gather")] == 12 * f
+    assert wire[("tp", "reduce_scatter")] == 12 * f
+    assert wire[("tp", "all_to_all")] == 3 * 2 * f  # rank 0 sends 3 rows of 2 to rank 1
+    assert torch.equal(results[0][3], torch.tensor([[0.0, 1.0], [10.0, 11.0]]))
+    assert results[1][3].shape == (6, 2)
+
+
+def _autograd_pairs(ctx):
+    """Each conjugate pair's backward is the transpose of its forward: <w, f(x)> == <f^T(w), x>.
+
+    Inner products run over the whole group; a tensor that is replicated on every rank (the
+    input of copy_to/split_to, the output of reduce_from/gather_from) is counted once.
+    """
+    from fivefold.parallel import comm
+
+    mesh = ctx.mesh(Layout(tp=2))
+    tp = mesh.tp
+    ops = {  # name: (function, input replicated, output replicated)
+        "copy_to": (lambda t: comm.copy_to(t, tp), True, False),
+        "reduce_from": (lambda t: comm.reduce_from(t, tp), False, True),
+        "split_to": (lambda t: comm.split_to(t, tp, 1), True, False),
+        "gather_from": (lambda t: comm.gather_from(t, tp, 1), False, True),
+        "all_gather_to_full": (lambda t: comm.all_gather_to_full(t, tp, 1), False, False),
+        "reduce_scatter_to_shard": (lambda t: comm.reduce_scatter_to_shard(t, tp, 1), False, False),
+        "all_to_all": (lambda t: comm.all_to_all_autograd(t, tp), False, False),
+    }
+    out = {}
+    for name, (fn, input_replicated, output_replicated) in ops.items():
+        torch.manual_seed(0 if input_replicated else 1 + ctx.rank)
+        x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        y = fn(x)
+        torch.manual_seed(100 if output_replicated else 101 + ctx.rank)
+        w = torch.randn_like(y)
+        (g,) = torch.autograd.grad(y, x, w)
+        forward_dot = (w * y).sum().item()
+        backward_dot = (g * x).sum().item()
+        dots = torch.tensor([
+            forward_dot if (not output_replicated or tp.rank == 0) else 0.0,
+            backward_dot if (not input_replicated or tp.rank == 0) else 0.0,
+        ], dtype=torch.float64)
+        comm.all_reduce(dots, tp)
+        out[name] = (dots[0].item(), dots[1].item())
+    return out
+
+
+def test_autograd_pairs_are_adjoint(pools):
+    for name, (forward_dot, backward_dot) in pools.run(2, _autograd_pairs)[0].items():
+        assert abs(forward_dot - backward_dot) < 1e-9, name
