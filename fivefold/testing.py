@@ -87,7 +87,7 @@ class WorkerPool:
         port = _free_port()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._results = self._ctx.Queue()
-        paths = [p for p in sys.path if p]
+        paths = [p or os.getcwd() for p in sys.path]  # '' means the current directory
         self._procs = [
             self._ctx.Process(
                 target=_worker_main,
