@@ -23,3 +23,37 @@ def layout_parity(pools, reference, config: Config, steps: int = 3):
     world = config.layout.world_size
     results = pools.run(world, trace_on_rank, config, steps)
     return assert_parity(reference(config, steps), results[0])
+
+
+def traces_on_rank(ctx, configs: list[Config], steps: int):
+    """Train several configs one after another on the same ranks (one pool call, many layouts)."""
+    return [trace_on_rank(ctx, config, steps) for config in configs]
+
+
+def many_layout_parity(pools, reference, configs: list[Config], steps: int = 2):
+    """Check every config (all of one world size) against its single-process reference."""
+    from fivefold.parity import compare
+
+    world = configs[0].layout.world_size
+    assert all(c.layout.world_size == world for c in configs)
+    results = pools.run(world, traces_on_rank, configs, steps)[0]
+    failures = []
+    for config, trace in zip(configs, results):
+        report = compare(reference(config, steps), trace)
+        if not report.ok:
+            failures.append(f"{describe(config)}: {report.summary()}\n  " + "\n  ".join(report.failures[:5]))
+    assert not failures, "\n".join(failures)
+
+
+def describe(config: Config) -> str:
+    l = config.layout
+    parts = [f"{k}{getattr(l, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(l, k) > 1]
+    if l.zero:
+        parts.append(f"zero{l.zero}")
+    if l.sequence_parallel:
+        parts.append("sp")
+    if l.pp > 1:
+        parts.append(l.pp_schedule + (f"-vpp{l.vpp}" if l.vpp > 1 else ""))
+    if l.cp > 1:
+        parts.append(l.cp_algorithm)
+    return f"{config.model.name}:" + "·".join(parts)
