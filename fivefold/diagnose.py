@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -170,8 +170,14 @@ def probe_first_step(model: ParallelModel, sampler) -> tuple[dict[str, torch.Ten
     return gather_stream(model, rec, names, batches), gather_gradients(model)
 
 
-def probe(config: Config, mesh: Mesh) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Build `config` on this rank and probe its first step."""
+def probe(
+    config: Config, mesh: Mesh, after_build: Callable[[ParallelModel], None] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Build `config` on this rank and probe its first step.
+
+    `after_build` may modify the parallel model before it runs (tests use it to break a
+    collective on purpose and check that the divergence is found where it was made).
+    """
     from .data import Sampler, load_tokenizer, load_tokens
     from .layout import validate
     from .train import build
@@ -180,4 +186,6 @@ def probe(config: Config, mesh: Mesh) -> tuple[dict[str, torch.Tensor], dict[str
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
     model = build(config, mesh, torch.device("cpu"))
+    if after_build is not None:
+        after_build(model)
     return probe_first_step(model, sampler)
