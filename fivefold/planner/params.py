@@ -125,13 +125,20 @@ def is_tied(m: ModelSpec) -> bool:
     return m.arch == "gpt" or m.tied_embeddings
 
 
+def layer_kinds(m: ModelSpec) -> list[tuple[LayerParams, int]]:
+    """(parameters of one layer, number of such layers) for dense and MoE layers."""
+    n_moe = m.num_moe_layers
+    return [(layer_params(m, m.moe_layers.index(moe)), n)
+            for moe, n in ((False, m.layers - n_moe), (True, n_moe)) if n]
+
+
 def total_params(m: ModelSpec) -> int:
-    layers = sum(layer_params(m, i).total for i in range(m.layers))
+    layers = sum(lp.total * n for lp, n in layer_kinds(m))
     return layers + embedding_block(m).total + head_block(m).total
 
 
 def active_params(m: ModelSpec) -> int:
-    layers = sum(layer_params(m, i).active for i in range(m.layers))
+    layers = sum(lp.active * n for lp, n in layer_kinds(m))
     return layers + embedding_block(m).total + head_block(m).total
 
 
@@ -141,7 +148,7 @@ def matmul_params_active(m: ModelSpec) -> int:
     This is the N of PaLM's model-FLOPs definition (Chowdhery et al. 2022, App. B, 6N per
     token): the embedding lookup does no multiplication, the output layer does, tied or not.
     """
-    layers = sum(layer_params(m, i).matmul_active for i in range(m.layers))
+    layers = sum(lp.matmul_active * n for lp, n in layer_kinds(m))
     return layers + head_block(m).matmul
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .errors import PlanError, UnknownNameError, choices
 
@@ -128,15 +129,20 @@ class ModelSpec:
 
     @property
     def is_moe(self) -> bool:
-        return self.num_experts > 0 and self.num_moe_layers > 0
+        return self.num_moe_layers > 0
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i >= self.first_dense_layers
                 and i % self.moe_every == self.moe_every - 1)
 
+    @cached_property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """`is_moe_layer` for every layer (derived once; the spec is immutable)."""
+        return tuple(self.is_moe_layer(i) for i in range(self.layers))
+
     @property
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.layers))
+        return sum(self.moe_layers)
 
     # ---- parameter counts (see params.py) ---------------------------------------------
     def num_params(self) -> int:

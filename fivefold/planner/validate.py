@@ -50,12 +50,15 @@ def _check_batch(lay: LayoutSpec) -> None:
     m = per_dp // lay.micro_batch
     if lay.schedule == "interleaved" and lay.pp > 1 and m % lay.pp:
         ok = [b for b in divisors(per_dp) if (per_dp // b) % lay.pp == 0]
+        fix = (f"micro_batch can be one of {choices(ok)}" if ok else
+               f"make global_batch a multiple of dp*pp*micro_batch = {lay.dp * lay.pp * lay.micro_batch}")
         _fail(f"the interleaved schedule needs the micro-batch count ({m}) to be a multiple of "
-              f"pp={lay.pp}; micro_batch can be one of {choices(ok)}, or raise global_batch")
+              f"pp={lay.pp}; {fix}, or use schedule='1f1b'")
     if lay.schedule == "zb-h1" and lay.pp > 1 and m < lay.pp:
         ok = [b for b in divisors(per_dp) if per_dp // b >= lay.pp]
-        _fail(f"zb-h1 needs at least pp={lay.pp} micro-batches, got {m}; micro_batch can be one "
-              f"of {choices(ok)}, or raise global_batch")
+        fix = (f"micro_batch can be one of {choices(ok)}" if ok else
+               f"make global_batch at least dp*pp*micro_batch = {lay.dp * lay.pp * lay.micro_batch}")
+        _fail(f"zb-h1 needs at least pp={lay.pp} micro-batches, got {m}; {fix}, or use schedule='1f1b'")
 
 
 def _check_context(model: ModelSpec, lay: LayoutSpec) -> None:
