@@ -1,0 +1,219 @@
+"""Activation memory: every tensor a layer saves for its backward pass, listed by name.
+
+Method (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", Section 4): walk the forward pass and list each tensor an operator keeps for its
+backward; count each distinct tensor once. Sizes are for one micro-batch of ``b`` sequences
+on one device, with ``s`` the sequence length, ``h`` the hidden size, ``a`` heads, ``d``
+head dimension, ``t`` the tensor-parallel and ``c`` the context-parallel degree.
+
+GPT layer (Korthikanti, Section 4.1), 16-bit activations, 1-byte dropout masks::
+
+    LayerNorm inputs 2 x 2sbh, QKV input 2sbh, Q and K 4sbh, V 2sbh, softmax output 2as^2b,
+    softmax dropout mask as^2b, dropout output 2as^2b, projection input 2sbh,
+    attention dropout mask sbh, MLP input 2sbh, GeLU input 8sbh, fc2 input 8sbh,
+    MLP dropout mask sbh                                    = sbh (34 + 5as/h) bytes
+
+With tensor parallelism the LayerNorm/dropout regions stay whole (10sbh) and the rest is
+split: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism everything is split:
+sbh(34/t + 5as/(ht)); selective recomputation drops the 5as^2b attention-core terms
+(34sbh/t with SP); full recomputation keeps only the layer input, 2sbh (2sbh/t with SP).
+
+Llama layer (fivefold: RMSNorm, GQA + RoPE, SDPA, SwiGLU, no dropout). Following the same
+convention (a norm saves its input and its 1/rms statistics; a linear layer saves its
+input; RoPE multiplies by constant tables and saves nothing per token)::
+
+    attn_norm.input sbh, attn_norm.rstd sb (fp32), qkv.input sbh,
+    sdpa.q sbh, sdpa.k sb(kv d), sdpa.v sb(kv d), sdpa.out sbh, sdpa.logsumexp sba (fp32),
+    o_proj.input sbh, mlp_norm.input sbh, mlp_norm.rstd sb (fp32), mlp.input sbh,
+    mlp.gate_out sbf, mlp.silu_out sbf, mlp.up_out sbf, down.input sbf
+
+SDPA (flash and math kernels alike, e.g. fp32 on CPU) saves q, k, v, its output and the
+log-sum-exp per query and head; the output projection saves its own contiguous copy of the
+attention output. K/V are counted at their GQA size (no repeat to all heads).
+MoE layers replace the MLP by: router.probs sbE (fp32 softmax), and per routed copy of a
+token (k per token, balanced routing assumed) experts.input, four SwiGLU tensors of width
+f_e, combine.expert_out and combine.weights, plus four SwiGLU tensors per shared expert.
+
+Parallel splits: tensor-parallel regions (attention core, MLP) hold a/t heads and f/t
+columns; norm regions are whole unless sequence parallel, where they hold s/t tokens and
+the QKV/MLP inputs are kept sharded and all-gathered again in backward (Korthikanti 4.2.2).
+Context parallelism splits s by c; the all-gather variant saves the gathered K/V (full s),
+ring and Ulysses save local-size tensors. Expert inputs are not sequence-parallel.
+Selective recomputation re-runs the attention core (drops sdpa.out, sdpa.logsumexp or the
+GPT softmax terms); full recomputation keeps the layer input only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .errors import UnknownNameError, choices
+from .spec import LayoutSpec, ModelSpec
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+class SavedTensor(NamedTuple):
+    name: str
+    elements: int
+    bytes_per_element: int
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * self.bytes_per_element
+
+
+def activation_dtype_bytes(precision: str) -> int:
+    """2 for bf16/fp16 mixed precision, 4 for fp32."""
+    if precision not in PRECISIONS:
+        raise UnknownNameError(f"precision={precision!r} is unknown; use one of {choices(PRECISIONS)}")
+    return 4 if precision == "fp32" else 2
+
+
+class _Dims(NamedTuple):
+    b: int        # sequences per micro-batch
+    s: int        # full sequence length
+    rows: int     # tokens in tensor-parallel regions: b * s / c
+    nrows: int    # tokens in norm regions: rows / t with sequence parallel
+    kv_rows: int  # tokens of saved K/V: b * s for all-gather CP
+    t: int
+    ab: int       # bytes per activation element
+
+
+def _dims(m: ModelSpec, lay: LayoutSpec, precision: str) -> _Dims:
+    b, s, t, c = lay.micro_batch, m.seq_len, lay.tp, lay.cp
+    rows = b * s // c
+    nrows = rows // t if lay.sequence_parallel else rows
+    kv_rows = b * s if (c > 1 and lay.cp_kind == "allgather") else rows
+    return _Dims(b, s, rows, nrows, kv_rows, t, activation_dtype_bytes(precision))
+
+
+def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
+                            moe: bool | None = None) -> list[SavedTensor]:
+    """Tensors one layer saves for backward, per device and micro-batch (see module doc).
+
+    ``moe`` selects a MoE or dense layer; by default a MoE layer when the model has any.
+    """
+    moe = model.is_moe if moe is None else (moe and model.num_experts > 0)
+    x = _dims(model, layout, precision)
+    if layout.recompute == "full":
+        return [SavedTensor("layer.input", x.nrows * model.hidden, x.ab)]
+    if model.arch == "gpt":
+        return _gpt_attention(model, layout, x) + _gpt_mlp(model, x, moe)
+    return _llama_attention(model, layout, x) + _llama_mlp(model, x, moe)
+
+
+def activation_bytes_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
+                               moe: bool | None = None) -> int:
+    """Sum of `saved_tensors_per_layer`: bytes one layer keeps per micro-batch and device.
+
+    For ``arch="gpt"`` this is Korthikanti et al.'s sbh(34 + 5as/h) and its TP, SP,
+    selective and full-recompute forms (module docstring).
+    """
+    return sum(t.bytes for t in saved_tensors_per_layer(model, layout, precision, moe))
+
+
+def _gpt_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
+    h, ab, t = m.hidden, x.ab, x.t
+    qd, kvd = m.heads * m.head_dim // t, m.n_kv_heads * m.head_dim // t
+    scores = x.rows * (m.heads // t) * x.s  # local queries x all keys
+    out = [
+        SavedTensor("ln1.input", x.nrows * h, ab),
+        SavedTensor("qkv.input", x.nrows * h, ab),
+        SavedTensor("attn.q", x.rows * qd, ab),
+        SavedTensor("attn.k", x.kv_rows * kvd, ab),
+    ]
+    if lay.recompute == "none":
+        out += [SavedTensor("attn.softmax_out", scores, ab),
+                SavedTensor("attn.softmax_dropout_mask", scores, 1),
+                SavedTensor("attn.softmax_dropout_out", scores, ab)]
+    return out + [
+        SavedTensor("attn.v", x.kv_rows * kvd, ab),
+        SavedTensor("proj.input", x.rows * qd, ab),
+        SavedTensor("attn.dropout_mask", x.nrows * h, 1),
+    ]
+
+
+def _gpt_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
+    h, ab = m.hidden, x.ab
+    out = [SavedTensor("ln2.input", x.nrows * h, ab), SavedTensor("fc1.input", x.nrows * h, ab)]
+    if moe:
+        k, f = m.top_k, m.expert_ffn // x.t
+        out += [SavedTensor("router.probs", x.rows * m.num_experts, 4),
+                SavedTensor("experts.input", k * x.rows * h, ab),
+                SavedTensor("experts.gelu_input", k * x.rows * f, ab),
+                SavedTensor("experts.fc2_input", k * x.rows * f, ab),
+                SavedTensor("combine.expert_out", k * x.rows * h, ab),
+                SavedTensor("combine.weights", k * x.rows, ab)]
+        for j in range(m.shared_experts):
+            out += [SavedTensor(f"shared{j}.gelu_input", x.rows * f, ab),
+                    SavedTensor(f"shared{j}.fc2_input", x.rows * f, ab)]
+    else:
+        f = m.ffn // x.t
+        out += [SavedTensor("gelu.input", x.rows * f, ab), SavedTensor("fc2.input", x.rows * f, ab)]
+    return out + [SavedTensor("mlp.dropout_mask", x.nrows * h, 1)]
+
+
+def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
+    h, ab, t = m.hidden, x.ab, x.t
+    qd, kvd = m.heads * m.head_dim // t, m.n_kv_heads * m.head_dim // t
+    out = [
+        SavedTensor("attn_norm.input", x.nrows * h, ab),
+        SavedTensor("attn_norm.rstd", x.nrows, 4),
+        SavedTensor("qkv.input", x.nrows * h, ab),
+        SavedTensor("sdpa.q", x.rows * qd, ab),
+        SavedTensor("sdpa.k", x.kv_rows * kvd, ab),
+        SavedTensor("sdpa.v", x.kv_rows * kvd, ab),
+    ]
+    if lay.recompute == "none":
+        out += [SavedTensor("sdpa.out", x.rows * qd, ab),
+                SavedTensor("sdpa.logsumexp", x.rows * (m.heads // t), 4)]
+    return out + [SavedTensor("o_proj.input", x.rows * qd, ab)]
+
+
+def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
+    return [SavedTensor(f"{prefix}.gate_out", rows * width, ab),
+            SavedTensor(f"{prefix}.silu_out", rows * width, ab),
+            SavedTensor(f"{prefix}.up_out", rows * width, ab),
+            SavedTensor(f"{prefix}.down_input", rows * width, ab)]
+
+
+def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
+    h, ab = m.hidden, x.ab
+    out = [SavedTensor("mlp_norm.input", x.nrows * h, ab),
+           SavedTensor("mlp_norm.rstd", x.nrows, 4),
+           SavedTensor("mlp.input", x.nrows * h, ab)]
+    if not moe:
+        return out + _swiglu("mlp", x.rows, m.ffn // x.t, ab)
+    k, f = m.top_k, m.expert_ffn // x.t
+    out += [SavedTensor("router.probs", x.rows * m.num_experts, 4),
+            SavedTensor("experts.input", k * x.rows * h, ab)]
+    out += _swiglu("experts", k * x.rows, f, ab)
+    out += [SavedTensor("combine.expert_out", k * x.rows * h, ab),
+            SavedTensor("combine.weights", k * x.rows, ab)]
+    for j in range(m.shared_experts):
+        out += _swiglu(f"shared{j}", x.rows, f, ab)
+    return out
+
+
+def saved_tensors_embedding(model: ModelSpec, layout: LayoutSpec,
+                            precision: str = "bf16") -> list[SavedTensor]:
+    """First stage, per micro-batch: GPT's embedding dropout mask; Llama's token ids (int64)."""
+    x = _dims(model, layout, precision)
+    if model.arch == "gpt":
+        return [SavedTensor("embedding.dropout_mask", x.nrows * model.hidden, 1)]
+    return [SavedTensor("embedding.indices", x.rows, 8)]
+
+
+def saved_tensors_output(model: ModelSpec, layout: LayoutSpec,
+                         precision: str = "bf16") -> list[SavedTensor]:
+    """Last stage, per micro-batch: final norm, head input and the fp32 log-probabilities
+    the (vocab-parallel) cross-entropy keeps, b s V / (c t) elements."""
+    x = _dims(model, layout, precision)
+    h = model.hidden
+    out = [SavedTensor("final_norm.input", x.nrows * h, x.ab)]
+    if model.arch == "llama":
+        out.append(SavedTensor("final_norm.rstd", x.nrows, 4))
+    vocab_t = -(-model.vocab // x.t)  # vocab padded to a multiple of t
+    return out + [SavedTensor("head.input", x.nrows * h, x.ab),
+                  SavedTensor("loss.log_probs", x.rows * vocab_t, 4)]

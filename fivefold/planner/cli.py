@@ -1,0 +1,101 @@
+"""``fivefold plan``: search layouts or cost one layout from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from .errors import PlanError
+from .estimate import estimate
+from .explain import explain
+from .hardware import HARDWARE, calibrate, calibration_path
+from .models import MODELS, load_model
+from .render import format_breakdown, format_table, to_json
+from .search import search
+from .spec import parse_layout
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fivefold plan",
+        description="Predict memory, time and MFU of parallel layouts and rank them.")
+    p.add_argument("--model", required=True,
+                   help=f"preset ({', '.join(MODELS)}) or a .json/.toml file of ModelSpec fields")
+    p.add_argument("--gpus", type=int, default=None, help="number of devices (default: the layout's, or 8)")
+    p.add_argument("--hardware", default="H100-80GB", help=f"one of {', '.join(HARDWARE)}")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step (default: 8 per device)")
+    p.add_argument("--layout", default=None,
+                   help='cost one layout, e.g. "dp=2,tp=4,pp=2,zero=1,sp=1,recompute=selective,mb=1"')
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine, save it as the 'cpu' hardware, and plan for it")
+    p.add_argument("--top", type=int, default=10, help="how many layouts to show")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--optimizer", default="adam", help="adam, adamw or sgd")
+    return p
+
+
+def run_plan_cli(argv: list[str]) -> int:
+    """Run ``fivefold plan``; returns the process exit code (2 for bad input)."""
+    args = build_parser().parse_args(argv)
+    out, err = Console(), Console(stderr=True)
+    try:
+        return _run(args, out, err)
+    except PlanError as exc:
+        err.print(f"[bold red]fivefold plan:[/] {exc}", highlight=False)
+        return 2
+
+
+def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    hardware = args.hardware
+    if args.calibrate:
+        hw = calibrate(save=True)
+        err.print(f"calibrated cpu: {hw.peak_flops / 1e9:.1f} GFLOP/s, gloo all-reduce "
+                  f"{hw.intra_node_bw / 1e9:.2f} GB/s; saved to {calibration_path()}")
+        hardware = "cpu"
+    if args.top < 1:
+        raise PlanError(f"--top must be at least 1, got {args.top}")
+    model = load_model(args.model)
+    if args.seq_len is not None:
+        model = model.replace(seq_len=args.seq_len)
+    if args.layout:
+        return _one_layout(args, model, hardware, out)
+    gpus = args.gpus or 8
+    gb = args.global_batch or 8 * gpus
+    cands = search(model, gpus=gpus, hardware=hardware, global_batch=gb, precision=args.precision,
+                   optimizer=args.optimizer, top=max(args.top, 10))
+    text = explain(model, cands)
+    if args.json:
+        print(to_json(cands, top=args.top, explanation=text))
+    else:
+        out.print(format_table(cands, top=args.top))
+        out.print(text, highlight=False)
+    return 0
+
+
+def _one_layout(args: argparse.Namespace, model, hardware: str, out: Console) -> int:
+    defaults = {"global_batch": args.global_batch} if args.global_batch else {}
+    layout = parse_layout(args.layout, **defaults)
+    if not args.global_batch and "global_batch" not in args.layout and "gb=" not in args.layout:
+        layout = layout.replace(global_batch=layout.dp * layout.micro_batch)
+    if args.gpus is not None and args.gpus != layout.world:
+        raise PlanError(f"--layout uses {layout.world} devices but --gpus={args.gpus}; "
+                        f"make dp*tp*pp*cp equal {args.gpus} or drop --gpus")
+    e = estimate(model, layout, hardware, args.precision, args.optimizer)
+    if args.json:
+        print(to_json(e))
+    else:
+        out.print(format_breakdown(e))
+    return 0
+
+
+def main() -> None:  # pragma: no cover - thin wrapper
+    sys.exit(run_plan_cli(sys.argv[1:]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

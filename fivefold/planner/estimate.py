@@ -1,0 +1,428 @@
+"""`estimate`: memory, FLOPs, communication, bubble and time of one layout.
+
+Time model, per pipeline stage and micro-batch:
+
+* compute = matmul and attention FLOPs / (peak x ``matmul_efficiency``) + memory-bound
+  time. Attention FLOPs are halved for ``arch="llama"`` because fused causal attention
+  kernels skip the masked half (the reported FLOPs keep the full s x s, see flops.py);
+  the GPT layer materialises the full score matrix. The memory-bound part (norms,
+  activation functions, softmax, residuals, casts) is estimated as each saved activation
+  being written once and read once per pass, i.e. 2 x saved bytes per forward, over
+  ``hbm_bw``, for three passes (forward, and a backward of twice the traffic), four with
+  full recomputation.
+* F, B, W: forward, input-gradient and weight-gradient times (B includes recomputation);
+  they set the zero-bubble schedule's bubble (pipeline.py).
+* exposed communication: tensor-, expert- and Ulysses/all-gather context-parallel
+  collectives sit on the critical path (they produce inputs of the next operator); ring
+  attention overlaps its block transfers with the attention computation; pipeline sends
+  are blocking between compute steps (Megatron-LM's 1F1B). Data-parallel collectives
+  overlap with compute except the last bucket: gradient reduction with the backward of
+  the last micro-batch, the parameter all-gather of ZeRO-1/2 with the next forward, and
+  ZeRO-2/3's per-micro-batch collectives with that micro-batch's compute.
+
+step = (m + bubble) x slowest stage's micro-batch time + exposed data-parallel time +
+optimizer update (memory-bound: the optimizer shard read and written, gradients read,
+weights written, over ``hbm_bw``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .activations import activation_bytes_per_layer, activation_dtype_bytes, saved_tensors_embedding, saved_tensors_output
+from .comm import AXES, Collective, cp_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_layers, volumes_by_axis, volumes_by_kind
+from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
+from .hardware import Hardware, get_hardware
+from .memory import StateBytes, state_bytes, zero_model_states
+from .params import embedding_block, head_block, is_tied, layer_params
+from .pipeline import bubble_units, in_flight, in_flight_embedding, in_flight_output, stage_layers
+from .spec import LayoutSpec, ModelSpec
+from .validate import check_layout
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device on the pipeline stage that needs the most memory."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int       # ZeRO-3 gathered layers (current and prefetched)
+    stage: int
+    capacity: int      # usable device memory (hardware memory minus reserve)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted cost of one training step. Times in seconds, bytes per device."""
+
+    model: ModelSpec
+    layout: LayoutSpec
+    hardware: Hardware
+    precision: str
+    optimizer: str
+    memory: MemoryBreakdown
+    flops_per_step: float           # model FLOPs, all devices (PaLM definition)
+    hardware_flops_per_step: float  # including recomputation, all devices
+    bubble_fraction: float          # bubble time / ideal pipeline time
+    comm_bytes: dict                # axis -> bytes sent per device per step
+    comm_bytes_by_kind: dict        # axis -> {collective kind -> bytes}
+    comm_time_s: dict               # axis -> seconds of communication per step
+    comm_exposed_s: dict            # axis -> seconds not hidden behind compute
+    compute_time_s: float           # m micro-batches on the slowest stage, no bubble
+    bubble_time_s: float
+    optimizer_time_s: float
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float        # model FLOP/s per device, in TFLOP/s
+    hardware_tflops_per_device: float
+    mfu: float
+    hfu: float
+    fits: bool
+    stage_memory: tuple = field(default=())  # total bytes of every stage
+    collectives: tuple = field(default=(), repr=False)  # Collective records, busiest stage per axis
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.layout.num_micro_batches
+
+
+@dataclass(frozen=True)
+class _LayerCost:
+    dense_params: float   # per device
+    expert_params: float  # per device
+    act: int              # saved bytes per micro-batch, with the layout's recomputation
+    act_full: int         # saved bytes per micro-batch without recomputation
+    mm: float             # matmul FLOPs per micro-batch and device (forward)
+    attn: float           # attention FLOPs per micro-batch and device (forward, executed)
+
+
+class CostCache:
+    """Per-layer costs shared between estimates of one model (e.g. during a search).
+
+    Layer costs depend on tp, cp, ep, micro-batch, sequence parallelism, recomputation and
+    the context-parallel kind only, so many layouts share them. Not thread-safe; create
+    one per search.
+    """
+
+    def __init__(self, model: ModelSpec, precision: str) -> None:
+        self.model, self.precision = model, precision
+        self._layers: dict = {}
+        self._ends: dict = {}
+        self._flops: dict = {}
+
+    def flops(self, global_batch: int, recompute: str) -> tuple[float, float]:
+        """(model, hardware) FLOPs per step."""
+        key = (global_batch, recompute)
+        if key not in self._flops:
+            self._flops[key] = (model_flops_per_step(self.model, global_batch),
+                                hardware_flops_per_step(self.model, global_batch, recompute))
+        return self._flops[key]
+
+    def layer(self, lay: LayoutSpec, moe: bool) -> _LayerCost:
+        key = (moe, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.recompute, lay.cp_kind)
+        if key not in self._layers:
+            self._layers[key] = _layer_cost(self.model, lay, self.precision, self.model.moe_layers.index(moe))
+        return self._layers[key]
+
+    def ends(self, lay: LayoutSpec) -> tuple[int, int]:
+        """Saved bytes per micro-batch of the embedding (first stage) and output (last)."""
+        key = (lay.tp, lay.cp, lay.micro_batch, lay.sequence_parallel)
+        if key not in self._ends:
+            m, p = self.model, self.precision
+            self._ends[key] = (sum(x.bytes for x in saved_tensors_embedding(m, lay, p)),
+                               sum(x.bytes for x in saved_tensors_output(m, lay, p)))
+        return self._ends[key]
+
+
+def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _LayerCost:
+    lp = layer_params(m, i)
+    t = lay.tp
+    moe = lp.num_experts > 0
+    dense = lp.dense.sharded / t + lp.dense.replicated
+    expert = lp.num_experts / lay.ep * (lp.expert.sharded / t + lp.expert.replicated)
+    act = activation_bytes_per_layer(m, lay, precision, moe)
+    act_full = act if lay.recompute == "none" else activation_bytes_per_layer(m, lay.replace(recompute="none"), precision, moe)
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    attn = 4.0 * tokens * m.seq_len * attention_width(m) / t
+    causal = 0.5 if m.arch == "llama" else 1.0
+    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * lp.matmul_active / t, attn * causal)
+
+
+@dataclass(frozen=True)
+class _StageTime:
+    t_f: float
+    t_b: float
+    t_w: float
+    inner_exposed: dict   # axis -> exposed seconds per step (tp, cp, ep, pp)
+    dp_exposed: float
+    optimizer_s: float
+    colls: list
+    comm_time: dict
+    volumes: dict
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    m: ModelSpec
+    lay: LayoutSpec
+    hw: Hardware
+    precision: str
+    ab: int
+    sb: StateBytes
+    costs: dict
+    ends: tuple[int, int]
+
+
+def _context(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
+             cache: CostCache | None) -> _Ctx:
+    ab = activation_dtype_bytes(precision)
+    sb = state_bytes(precision, optimizer)
+    if cache is None or cache.model is not model or cache.precision != precision:
+        cache = CostCache(model, precision)
+    costs = {moe: cache.layer(layout, moe) for moe in set(model.moe_layers)}
+    return _Ctx(model, layout, hw, precision, ab, sb, costs, cache.ends(layout))
+
+
+def _stage_groups(model: ModelSpec, layout: LayoutSpec) -> list[tuple[int, int, int]]:
+    """(stage, dense layers, MoE layers) of every pipeline stage."""
+    out = []
+    for s, layers in enumerate(stage_layers(model, layout)):
+        n_moe = sum(model.moe_layers[i] for i in layers)
+        out.append((s, len(layers) - n_moe, n_moe))
+    return out
+
+
+def estimate(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A100-80GB",
+             precision: str = "bf16", optimizer: str = "adam", gpus: int | None = None,
+             cache: CostCache | None = None) -> Estimate:
+    """Predict memory, FLOPs, communication and time of ``layout`` for ``model``.
+
+    Raises `PlanError` for unknown names and layouts that do not divide the model; a
+    layout that does not fit in memory is returned with ``fits=False``.
+    """
+    hw = get_hardware(hardware)
+    ctx = _context(model, layout, hw, precision, optimizer, cache)
+    check_layout(model, layout, gpus)
+    memories, times, seen = [], [], {}
+    for s, n_dense, n_moe in _stage_groups(model, layout):
+        key = (n_dense, n_moe, s == 0, s == layout.pp - 1, _sends(layout, s))
+        memories.append(_stage_memory(ctx, s, n_dense, n_moe))
+        if key not in seen:
+            seen[key] = _stage_time(ctx, s, n_dense, n_moe, memories[-1])
+        times.append(seen[key])
+    flops = (cache if cache is not None and cache.model is model else CostCache(model, precision)).flops(
+        layout.global_batch, layout.recompute)
+    return _combine(model, layout, hw, precision, optimizer, memories, times, flops)
+
+
+def _sends(lay: LayoutSpec, s: int) -> tuple[int, int]:
+    chunks = [s + k * lay.pp for k in range(lay.vpp)]
+    return sum(j < lay.pp * lay.vpp - 1 for j in chunks), sum(j > 0 for j in chunks)
+
+
+def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -> tuple[float, float]:
+    """(non-expert, expert) parameters held by one device of a stage."""
+    m, t = ctx.m, ctx.lay.tp
+    per = [(ctx.costs[k], n) for k, n in ((False, n_dense), (True, n_moe)) if n]
+    dense = sum(c.dense_params * n for c, n in per)
+    expert = sum(c.expert_params * n for c, n in per)
+    if first:
+        emb = embedding_block(m)
+        dense += emb.sharded / t + emb.replicated
+    if last:
+        hb = head_block(m)
+        dense += hb.sharded / t + hb.replicated
+        if is_tied(m) and ctx.lay.pp > 1:
+            dense += m.vocab * m.hidden / t  # the output layer's copy of the word embedding
+    return dense, expert
+
+
+def _stage_activations(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> int:
+    lay = ctx.lay
+    per = [(ctx.costs[k], n) for k, n in ((False, n_dense), (True, n_moe)) if n]
+    act = in_flight(lay, s) * sum(c.act * n for c, n in per)
+    if s == 0:
+        act += in_flight_embedding(lay) * ctx.ends[0]
+    if s == lay.pp - 1:
+        act += in_flight_output(lay) * ctx.ends[1]
+    if lay.recompute == "full" and per:
+        act += max(c.act_full for c, _ in per)  # one layer rematerialised during backward
+    return int(act)
+
+
+def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer, buffers) bytes of one device of stage ``s``."""
+    lay, sb = ctx.lay, ctx.sb
+    dense, expert = _params_here(ctx, s == 0, s == lay.pp - 1, n_dense, n_moe)
+    ms_d = zero_model_states(dense, lay.dp * lay.cp, zero, sb)
+    ms_e = zero_model_states(expert, lay.dp * lay.cp // lay.ep, zero, sb)
+    buffers = 0
+    if zero == 3 and n_dense + n_moe:
+        per = [ctx.costs[k] for k, n in ((False, n_dense), (True, n_moe)) if n]
+        buffers = int(2 * sb.param * max(c.dense_params + c.expert_params for c in per))
+    return (ms_d.params + ms_e.params, ms_d.grads + ms_e.grads, ms_d.optimizer + ms_e.optimizer, buffers)
+
+
+def _stage_memory(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> MemoryBreakdown:
+    p, g, o, buf = _stage_states(ctx, s, n_dense, n_moe, ctx.lay.zero)
+    act = _stage_activations(ctx, s, n_dense, n_moe)
+    return MemoryBreakdown(p, g, o, act, buf, s, ctx.hw.usable_memory_bytes)
+
+
+def memory_grid(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A100-80GB",
+                precision: str = "bf16", optimizer: str = "adam",
+                zeros: tuple[int, ...] = (0, 1, 2, 3),
+                recomputes: tuple[str, ...] = ("none", "selective", "full"),
+                cache: CostCache | None = None) -> dict[tuple[int, str], int]:
+    """Worst-stage total bytes for every (ZeRO stage, recomputation) of ``layout``.
+
+    The same numbers as ``estimate(...).memory.total``, computed together so that a search
+    can discard layouts that do not fit before timing them.
+    """
+    hw = get_hardware(hardware)
+    check_layout(model, layout)
+    cache = cache if cache is not None and cache.model is model else CostCache(model, precision)
+    groups = _stage_groups(model, layout)
+    acts, states = {}, {}
+    for r in recomputes:
+        ctx = _context(model, layout.replace(recompute=r), hw, precision, optimizer, cache)
+        acts[r] = [_stage_activations(ctx, *g) for g in groups]
+    for z in zeros:
+        per_key: dict = {}
+        row = []
+        for s, nd, nm in groups:
+            key = (s == 0, s == layout.pp - 1, nd, nm)
+            if key not in per_key:
+                per_key[key] = sum(_stage_states(ctx, s, nd, nm, z))
+            row.append(per_key[key])
+        states[z] = row
+    return {(z, r): max(a + st for a, st in zip(acts[r], states[z])) for z in zeros for r in recomputes}
+
+
+def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdown) -> _StageTime:
+    m, lay, hw, sb, ab = ctx.m, ctx.lay, ctx.hw, ctx.sb, ctx.ab
+    first, last = s == 0, s == lay.pp - 1
+    per = [(ctx.costs[k], n) for k, n in ((False, n_dense), (True, n_moe)) if n]
+    t, mbs, n_layers = lay.tp, lay.num_micro_batches, n_dense + n_moe
+
+    # ---- compute per micro-batch ----
+    rate = hw.peak(ctx.precision) * hw.matmul_efficiency
+    mm = sum(c.mm * n for c, n in per)
+    at = sum(c.attn * n for c, n in per)
+    tokens = lay.micro_batch * m.seq_len / lay.cp
+    head = 2.0 * tokens * head_block(m).matmul / t if last else 0.0
+    recompute = {"none": 0.0, "selective": at, "full": mm + at}[lay.recompute]
+    passes = 4 if lay.recompute == "full" else 3
+    ends = (ctx.ends[0] if first else 0) + (ctx.ends[1] if last else 0)
+    elem = 2.0 * (sum(c.act_full * n for c, n in per) * passes + 3 * ends) / hw.hbm_bw
+    t_f = (mm + at + head) / rate + elem / 3
+    t_b = (mm + 2 * at + head + recompute) / rate + 2 * elem / 3
+    t_w = (mm + head) / rate
+
+    # ---- communication ----
+    dense, expert = _params_here(ctx, first, last, n_dense, n_moe)
+    tied = m.vocab * m.hidden / t * sb.grad if (is_tied(m) and lay.pp > 1) else 0.0
+    inner = (tp_layers(m, lay, ab, n_layers * mbs) + tp_ends(m, lay, ab, first, last, mbs)
+             + cp_layers(m, lay, ab, n_layers * mbs) + ep_layers(m, lay, ab, n_moe * mbs)
+             + pp_sends(m, lay, ab, s, tied))
+    dp = dp_grads(lay, sb.param, sb.grad, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep)
+    comm_time = {a: 0.0 for a in AXES}
+    for c in inner + dp:
+        comm_time[c.axis] += c.time(hw)
+    exposed = {a: comm_time[a] for a in ("tp", "cp", "ep", "pp")}
+    if lay.cp > 1 and lay.cp_kind == "ring":  # transfers hide behind attention, launches do not
+        launches = sum(c.calls for c in inner if c.axis == "cp") * hw.intra_latency_s
+        exposed["cp"] = max(launches, comm_time["cp"] - mbs * 3 * at / rate)
+    dp_exp = _dp_exposed(dp, hw, mbs, max(n_layers, 1), t_f, t_b + t_w)
+    optimizer_s = mem.optimizer / sb.optimizer * (2 * sb.optimizer + sb.param + sb.grad) / hw.hbm_bw
+    colls = inner + dp
+    return _StageTime(t_f, t_b, t_w, exposed, dp_exp, optimizer_s, colls, comm_time,
+                      volumes_by_axis(colls))
+
+
+def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str,
+                     cache: CostCache) -> float:
+    """A step time that no (ZeRO, recomputation) variant of ``layout`` can beat.
+
+    The least-loaded stage's compute without recomputation (including memory-bound time),
+    the smallest bubble the schedule can have, and the collectives the time model always
+    exposes (tensor-parallel, expert-parallel, all-gather/Ulysses context-parallel).
+    """
+    lay = layout.replace(recompute="none")
+    rate = hw.peak(precision) * hw.matmul_efficiency
+    p, v, mbs = lay.pp, lay.vpp, lay.num_micro_batches
+    n_layers = (model.layers // (p * v)) * v
+    n_moe = min(model.num_moe_layers, (model.num_moe_layers // (p * v)) * v)
+    per = [(cache.layer(lay, False), n_layers - n_moe)] if n_layers > n_moe else []
+    if n_moe:
+        per.append((cache.layer(lay, True), n_moe))
+    flops = sum((3 * c.mm + 3 * c.attn) * n for c, n in per)
+    traffic = sum(6.0 * c.act_full * n for c, n in per)
+    t_mb = flops / rate + traffic / hw.hbm_bw
+    bubble = 0.0 if p == 1 else (p - 1) / (v if lay.schedule == "interleaved" else 1)
+    if lay.schedule == "zb-h1":
+        bubble /= 3
+    ab = activation_dtype_bytes(precision)
+    colls = tp_layers(model, lay, ab, n_layers * mbs) + ep_layers(model, lay, ab, n_moe * mbs)
+    if lay.cp_kind != "ring":
+        colls += cp_layers(model, lay, ab, n_layers * mbs)
+    return (mbs * t_mb + sum(c.time(hw) for c in colls)) * (1 + bubble / mbs)
+
+
+def _dp_exposed(colls: list[Collective], hw: Hardware, mbs: int, buckets: int,
+                fwd_window: float, bwd_window: float) -> float:
+    """Data-parallel time not hidden behind compute; the last bucket never overlaps."""
+    per_mb = sum(c.time(hw) for c in colls if c.calls >= mbs > 1) / mbs
+    reduce = sum(c.time(hw) for c in colls if not (c.calls >= mbs > 1) and c.phase != "step")
+    gather = sum(c.time(hw) for c in colls if not (c.calls >= mbs > 1) and c.phase == "step")
+    hide = lambda t, w: max(t / buckets, t - w)  # noqa: E731
+    return mbs * hide(per_mb, fwd_window + bwd_window) + hide(reduce, bwd_window) + hide(gather, fwd_window)
+
+
+def _combine(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
+             memories: list[MemoryBreakdown], times: list[_StageTime],
+             flops: tuple[float, float]) -> Estimate:
+    mbs = lay.num_micro_batches
+    per_mb = [st.t_f + st.t_b + st.t_w + sum(st.inner_exposed.values()) / mbs for st in times]
+    slow = max(range(len(times)), key=per_mb.__getitem__)
+    st = times[slow]
+    units = bubble_units(lay, st.t_f, st.t_b, st.t_w)
+    tail = max(t.dp_exposed + t.optimizer_s for t in times)
+    step = (mbs + units) * per_mb[slow] + tail
+    worst = max(memories, key=lambda mem: mem.total)
+
+    colls: list[Collective] = []
+    comm_bytes, by_kind, comm_time, exposed = {}, {}, {}, {}
+    for axis in AXES:
+        busiest = max(times, key=lambda t: t.volumes[axis])
+        mine = [c for c in busiest.colls if c.axis == axis]
+        colls += mine
+        comm_bytes[axis] = busiest.volumes[axis]
+        by_kind[axis] = volumes_by_kind(mine)[axis]
+        comm_time[axis] = busiest.comm_time[axis]
+        exposed[axis] = st.dp_exposed if axis == "dp" else st.inner_exposed[axis]
+    mflops, hflops = flops
+    peak = hw.peak(precision) * lay.world
+    return Estimate(
+        model=m, layout=lay, hardware=hw, precision=precision, optimizer=optimizer,
+        memory=worst, flops_per_step=mflops, hardware_flops_per_step=hflops,
+        bubble_fraction=units / mbs, comm_bytes=comm_bytes, comm_bytes_by_kind=by_kind,
+        comm_time_s=comm_time, comm_exposed_s=exposed,
+        compute_time_s=mbs * (st.t_f + st.t_b + st.t_w), bubble_time_s=units * per_mb[slow],
+        optimizer_time_s=st.optimizer_s, step_time_s=step,
+        tokens_per_s=lay.global_batch * m.seq_len / step,
+        tflops_per_device=mflops / step / lay.world / 1e12,
+        hardware_tflops_per_device=hflops / step / lay.world / 1e12,
+        mfu=mflops / step / peak, hfu=hflops / step / peak,
+        fits=worst.total <= hw.usable_memory_bytes,
+        stage_memory=tuple(mem.total for mem in memories), collectives=tuple(colls))

@@ -1,0 +1,147 @@
+"""Layout search: enumerate valid layouts, drop those that do not fit, rank by step time.
+
+Pruning (exact under the cost model, so no faster layout is lost): for a fixed structure
+(degrees, schedule, micro-batch, sequence parallelism, context-parallel kind), more
+recomputation only adds FLOPs and communication and a higher ZeRO stage from 1 upwards
+only adds communication; so among the (ZeRO, recomputation) pairs that fit, only those
+not dominated in both are timed. ZeRO-0 and ZeRO-1 are both kept (their overlap differs).
+GPipe is not enumerated by default: it has 1F1B's bubble and more activation memory.
+
+With ``top`` set, structures are visited in order of a lower bound on their step time
+(`estimate.time_lower_bound`); the visit stops once that bound exceeds the
+``top``-th best time found, which again loses no layout that would rank in the top.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from .errors import PlanError
+from .estimate import CostCache, Estimate, estimate, memory_grid, time_lower_bound
+from .hardware import GiB, Hardware, get_hardware
+from .models import load_model
+from .spec import CP_KINDS, LayoutSpec, ModelSpec, divisors
+from .validate import valid_tp
+
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+DEFAULT_MICRO_BATCHES = (1, 2, 4)
+_RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+def _frontier(fits: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """(zero, recompute) pairs not dominated by a pair with zero' <= zero and less recompute."""
+    rank = lambda r: _RECOMPUTE_ORDER.index(r)  # noqa: E731
+    keep = []
+    for z, r in fits:
+        dominated = any((z2, r2) != (z, r) and rank(r2) <= rank(r) and (z2 <= z and not (z2 == 0 and z == 1))
+                        for z2, r2 in fits)
+        if not dominated:
+            keep.append((z, r))
+    return keep
+
+
+def structures(model: ModelSpec, gpus: int, hw: Hardware, global_batch: int,
+               schedules=DEFAULT_SCHEDULES, micro_batches=DEFAULT_MICRO_BATCHES,
+               max_tp: int | None = None, max_vpp: int = 4):
+    """Yield every `LayoutSpec` shape (ZeRO 0, no recomputation) for ``gpus`` devices."""
+    tp_limit = min(max_tp or hw.gpus_per_node, hw.gpus_per_node)
+    for tp in valid_tp(model, tp_limit):
+        if gpus % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            if pp > model.layers:
+                continue
+            for cp in divisors(gpus // (tp * pp)):
+                if model.seq_len % cp:
+                    continue
+                dp = gpus // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                yield from _variants(model, global_batch, tp, pp, cp, dp, schedules, micro_batches, max_vpp)
+
+
+def _variants(model, gb, tp, pp, cp, dp, schedules, micro_batches, max_vpp):
+    eps = [e for e in divisors(dp * cp) if model.is_moe and model.num_experts % e == 0] or [1]
+    scheds = [("1f1b", 1)] if pp == 1 else [
+        (s, v) for s in schedules
+        for v in ((range(2, max_vpp + 1)) if s == "interleaved" else (1,))
+        if pp * v <= model.layers]
+    for mb in micro_batches:
+        if (gb // dp) % mb:
+            continue
+        for ep in eps:
+            for sched, vpp in scheds:
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    for kind in (CP_KINDS if cp > 1 else ("allgather",)):
+                        yield LayoutSpec(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
+                                         global_batch=gb, schedule=sched, sequence_parallel=sp,
+                                         cp_kind=kind)
+
+
+def search(model: ModelSpec | str, gpus: int = 64, hardware: str | Hardware = "H100-80GB",
+           global_batch: int = 512, seq_len: int | None = None, precision: str = "bf16",
+           optimizer: str = "adam", top: int | None = 50,
+           schedules=DEFAULT_SCHEDULES, micro_batches=DEFAULT_MICRO_BATCHES,
+           max_tp: int | None = None) -> list[tuple[LayoutSpec, Estimate]]:
+    """Layouts of ``gpus`` devices that fit, best (shortest step) first: the ``top`` best,
+    or all of them with ``top=None``.
+
+    ``seq_len`` overrides the model's. Raises `PlanError` when no layout divides the
+    model and batch, or none fits in memory (the message says what to change).
+    """
+    m = load_model(model) if isinstance(model, str) else model
+    if seq_len is not None:
+        m = m.replace(seq_len=seq_len)
+    hw = get_hardware(hardware)
+    for name, v in (("gpus", gpus), ("global_batch", global_batch)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanError(f"{name} must be a positive integer, got {v!r}")
+    out: list[tuple[LayoutSpec, Estimate]] = []
+    smallest: tuple[int, LayoutSpec] | None = None
+    n_valid = 0
+    cache = CostCache(m, precision)
+    shapes = list(structures(m, gpus, hw, global_batch, schedules, micro_batches, max_tp))
+    bounds = [time_lower_bound(m, lay, hw, precision, cache) for lay in shapes]
+    best: list[float] = []  # max-heap (negated) of the `top` shortest step times so far
+    for bound, lay in sorted(zip(bounds, shapes), key=lambda x: x[0]):
+        if top and len(best) >= top and bound > -best[0]:
+            break
+        zeros = (0, 1, 2, 3) if lay.dp * lay.cp > 1 else (0,)
+        try:
+            grid = memory_grid(m, lay, hw, precision, optimizer, zeros, cache=cache)
+        except PlanError:
+            continue
+        n_valid += 1
+        fits = [k for k, v in grid.items() if v <= hw.usable_memory_bytes]
+        if not fits:
+            k_min = min(grid, key=grid.__getitem__)
+            if smallest is None or grid[k_min] < smallest[0]:
+                smallest = (grid[k_min], lay.replace(zero=k_min[0], recompute=k_min[1]))
+            continue
+        for z, r in _frontier(fits):
+            cand = lay.replace(zero=z, recompute=r)
+            est = estimate(m, cand, hw, precision, optimizer, cache=cache)
+            out.append((cand, est))
+            if top:
+                heapq.heappush(best, -est.step_time_s)
+                if len(best) > top:
+                    heapq.heappop(best)
+    if not out:
+        raise _nothing_fits(m, gpus, hw, global_batch, n_valid, smallest)
+    out.sort(key=lambda c: (c[1].step_time_s, c[1].memory.total))
+    return out[:top] if top else out
+
+
+def _nothing_fits(m: ModelSpec, gpus: int, hw: Hardware, gb: int, n_valid: int, smallest) -> PlanError:
+    if n_valid == 0:
+        return PlanError(
+            f"no layout of {gpus} devices divides {m.name} (layers={m.layers}, heads={m.heads}, "
+            f"kv_heads={m.n_kv_heads}, seq_len={m.seq_len}) with global_batch={gb}: choose a device "
+            f"count and global batch with common factors (e.g. powers of two), global_batch "
+            f"divisible by the data-parallel degree")
+    need, lay = smallest
+    return PlanError(
+        f"no layout of {gpus} x {hw.name} fits {m.name} with global_batch={gb}, seq_len={m.seq_len}: "
+        f"the smallest ({lay.short()}) needs {need / GiB:.1f} GiB per device but "
+        f"{hw.usable_memory_bytes / GiB:.1f} GiB are usable; use more devices, hardware with more "
+        f"memory, or a shorter sequence")

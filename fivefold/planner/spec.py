@@ -1,0 +1,280 @@
+"""Frozen descriptions of a model (`ModelSpec`) and a parallel layout (`LayoutSpec`).
+
+`ModelSpec` covers two layer types:
+
+* ``arch="gpt"``: the Megatron GPT layer analysed by Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models" (LayerNorm, biases, GeLU MLP of
+  width ``ffn_hidden`` (default 4h), dropout, learned position embeddings, output layer
+  tied to the input embedding).
+* ``arch="llama"``: fivefold's own layer (RMSNorm, no biases, grouped-query attention with
+  RoPE, SwiGLU MLP, optional Mixture-of-Experts MLP, untied head unless
+  ``tied_embeddings``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from .errors import PlanError, UnknownNameError, choices
+
+ARCHS = ("gpt", "llama")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
+CP_KINDS = ("allgather", "ring", "ulysses")
+
+_SCHEDULE_ALIASES = {
+    "gpipe": "gpipe", "fill-drain": "gpipe", "1f1b": "1f1b", "pipedream-flush": "1f1b",
+    "interleaved": "interleaved", "interleaved-1f1b": "interleaved", "vpp": "interleaved",
+    "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb": "zb-h1", "zero-bubble": "zb-h1",
+}
+_CP_ALIASES = {
+    "allgather": "allgather", "all-gather": "allgather", "all_gather": "allgather",
+    "ring": "ring", "ulysses": "ulysses", "all-to-all": "ulysses", "alltoall": "ulysses",
+}
+
+
+def _positive(owner: str, **values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanError(f"{owner}.{name} must be a positive integer, got {v!r}")
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n`` in increasing order."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def llama_ffn_hidden(hidden: int, multiple_of: int = 256) -> int:
+    """Llama's default SwiGLU width: 2/3 of 4h, rounded up to ``multiple_of``.
+
+    Source: Touvron et al. 2023 (LLaMA), reference ``model.py`` FeedForward.
+    """
+    f = int(2 * 4 * hidden / 3)
+    return multiple_of * ((f + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer. Unset widths take the arch's default.
+
+    Layer ``i`` is a Mixture-of-Experts layer iff ``num_experts > 0``,
+    ``i >= first_dense_layers`` and ``i % moe_every == moe_every - 1``.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int = 2048
+    ffn_hidden: int | None = None
+    kv_heads: int | None = None
+    arch: str = "gpt"
+    num_experts: int = 0
+    top_k: int = 1
+    expert_ffn_hidden: int | None = None
+    moe_every: int = 1
+    shared_experts: int = 0
+    tied_embeddings: bool = False
+    first_dense_layers: int = 0
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        _positive("ModelSpec", layers=self.layers, hidden=self.hidden, heads=self.heads,
+                  vocab=self.vocab, seq_len=self.seq_len, top_k=self.top_k,
+                  moe_every=self.moe_every)
+        if self.arch not in ARCHS:
+            raise UnknownNameError(f"ModelSpec.arch={self.arch!r} is unknown; use one of {choices(ARCHS)}")
+        if self.hidden % self.heads:
+            raise PlanError(f"hidden={self.hidden} is not divisible by heads={self.heads}; "
+                            f"heads can be one of {choices(d for d in divisors(self.hidden) if d <= 1024)}")
+        for name in ("ffn_hidden", "kv_heads", "expert_ffn_hidden"):
+            v = getattr(self, name)
+            if v is not None:
+                _positive("ModelSpec", **{name: v})
+        if self.heads % self.n_kv_heads:
+            raise PlanError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}; "
+                            f"kv_heads can be one of {choices(divisors(self.heads))}")
+        for name in ("num_experts", "shared_experts", "first_dense_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise PlanError(f"ModelSpec.{name} must be a non-negative integer, got {v!r}")
+        if self.num_experts and self.top_k > self.num_experts:
+            raise PlanError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}; "
+                            f"use top_k <= {self.num_experts}")
+        if self.first_dense_layers > self.layers:
+            raise PlanError(f"first_dense_layers={self.first_dense_layers} exceeds layers={self.layers}")
+
+    # ---- derived widths -------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        """Dense MLP width: 4h for GPT, Llama's rounded 8h/3 for llama when unset."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 4 * self.hidden if self.arch == "gpt" else llama_ffn_hidden(self.hidden)
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.expert_ffn_hidden if self.expert_ffn_hidden is not None else self.ffn
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_layers > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i >= self.first_dense_layers
+                and i % self.moe_every == self.moe_every - 1)
+
+    @cached_property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """`is_moe_layer` for every layer (derived once; the spec is immutable)."""
+        return tuple(self.is_moe_layer(i) for i in range(self.layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    # ---- parameter counts (see params.py) ---------------------------------------------
+    def num_params(self) -> int:
+        """Total parameters (every expert counted)."""
+        from .params import total_params
+        return total_params(self)
+
+    def active_params(self) -> int:
+        """Parameters used per token: top_k routed experts plus shared experts."""
+        from .params import active_params
+        return active_params(self)
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """Parallel degrees and training-step options.
+
+    ``world = pp * dp * cp * tp`` devices. ``ep`` divides ``dp * cp``. The global batch
+    (in sequences) is split over ``dp`` into micro-batches of ``micro_batch`` sequences;
+    each pipeline therefore runs ``global_batch / (dp * micro_batch)`` micro-batches.
+    Schedules: ``gpipe``, ``1f1b``, ``interleaved`` (with ``vpp >= 2`` model chunks per
+    device) and ``zb-h1`` (zero-bubble H1). ``cp_kind``: ``allgather`` (all-gather K/V),
+    ``ring`` or ``ulysses``.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    vpp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    cp_kind: str = "allgather"
+
+    def __post_init__(self) -> None:
+        _positive("LayoutSpec", dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                  vpp=self.vpp, micro_batch=self.micro_batch, global_batch=self.global_batch)
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"LayoutSpec.zero={self.zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        sched = _SCHEDULE_ALIASES.get(str(self.schedule).lower())
+        if sched is None:
+            raise UnknownNameError(f"schedule={self.schedule!r} is unknown; use one of {choices(SCHEDULES)}")
+        object.__setattr__(self, "schedule", sched)
+        cp_kind = _CP_ALIASES.get(str(self.cp_kind).lower())
+        if cp_kind is None:
+            raise UnknownNameError(f"cp_kind={self.cp_kind!r} is unknown; use one of {choices(CP_KINDS)}")
+        object.__setattr__(self, "cp_kind", cp_kind)
+        if self.recompute not in RECOMPUTE:
+            raise UnknownNameError(f"recompute={self.recompute!r} is unknown; use one of {choices(RECOMPUTE)}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+        if self.vpp > 1 and self.schedule != "interleaved":
+            raise PlanError(f"vpp={self.vpp} needs schedule='interleaved' (got {self.schedule!r}); "
+                            "set schedule='interleaved' or vpp=1")
+        if self.schedule == "interleaved" and self.vpp < 2:
+            raise PlanError("schedule='interleaved' needs vpp >= 2 model chunks per device; "
+                            "set vpp=2 (or more) or use schedule='1f1b'")
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per pipeline per step: global_batch / (dp * micro_batch)."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def replace(self, **changes) -> "LayoutSpec":
+        return dataclasses.replace(self, **changes)
+
+    def short(self) -> str:
+        """Compact one-line rendering, parseable by `parse_layout`."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.cp > 1:
+            parts += [f"cp={self.cp}", f"cp_kind={self.cp_kind}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        parts.append(f"zero={self.zero}")
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule}")
+        if self.vpp > 1:
+            parts.append(f"vpp={self.vpp}")
+        if self.sequence_parallel:
+            parts.append("sp=1")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
+        parts.append(f"mb={self.micro_batch}")
+        return ",".join(parts)
+
+
+_LAYOUT_KEYS = {
+    "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero", "vpp": "vpp",
+    "mb": "micro_batch", "micro_batch": "micro_batch", "gb": "global_batch",
+    "global_batch": "global_batch", "schedule": "schedule", "sp": "sequence_parallel",
+    "sequence_parallel": "sequence_parallel", "recompute": "recompute", "cp_kind": "cp_kind",
+}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_layout(text: str, **defaults) -> LayoutSpec:
+    """Parse ``"dp=2,tp=4,pp=2,zero=1,schedule=1f1b,sp=1,recompute=selective,mb=1"``.
+
+    Keyword ``defaults`` (e.g. ``global_batch=512``) apply to keys the text omits.
+    """
+    values: dict = dict(defaults)
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip().lower(), raw.strip()
+        if not sep or key not in _LAYOUT_KEYS:
+            raise UnknownNameError(f"layout item {item!r} is not KEY=VALUE with KEY one of "
+                                   f"{choices(sorted(_LAYOUT_KEYS))}")
+        field_name = _LAYOUT_KEYS[key]
+        if field_name in ("schedule", "recompute", "cp_kind"):
+            values[field_name] = raw.lower()
+        elif field_name == "sequence_parallel":
+            if raw.lower() not in _TRUE | _FALSE:
+                raise PlanError(f"layout item {item!r}: use sp=1 or sp=0")
+            values[field_name] = raw.lower() in _TRUE
+        else:
+            try:
+                values[field_name] = int(raw)
+            except ValueError:
+                raise PlanError(f"layout item {item!r}: {key} must be an integer") from None
+    if values.get("vpp", 1) > 1 and "schedule" not in values:
+        values["schedule"] = "interleaved"
+    return LayoutSpec(**values)
