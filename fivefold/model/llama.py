@@ -105,7 +105,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         ids = list(range(config.layers)) if layer_ids is None else list(layer_ids)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden) if with_embedding else None
+        # An explicit (uninitialised) weight skips nn.Embedding's normal_() init: the values are
+        # set by init_weights anyway, and normal_() on the meta device imports torch._dynamo,
+        # which costs seconds in every process.
+        self.embed = (
+            nn.Embedding(config.vocab_size, config.hidden, _weight=torch.empty(config.vocab_size, config.hidden))
+            if with_embedding
+            else None
+        )
         self.layers = nn.ModuleDict({str(i): Block(config, i) for i in ids})
         self.norm = RMSNorm(config.hidden, config.norm_eps) if with_head else None
         # A tied head reuses the embedding matrix when both are here; a pipeline stage holding
