@@ -300,7 +300,7 @@ def write_hf_folder(state: Mapping[str, torch.Tensor], config: ModelConfig, fold
     folder.mkdir(parents=True, exist_ok=True)
     hf_config = hf_config_from(config)
     hf_config.architectures = ["MixtralForCausalLM" if config.is_moe else "LlamaForCausalLM"]
-    hf_config.torch_dtype = "float32"
+    hf_config.dtype = "float32"
     hf_config.save_pretrained(str(folder))
     tensors = {k: v.detach().float().contiguous() for k, v in state_dict_to_hf(state, config).items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
