@@ -51,7 +51,11 @@ An optimizer the checkpoint can save implements:
 
 A replicated state gives the parameter's Placement (only its primary replica is written);
 a ZeRO flat shard gives `ShardSpec.from_placement(param_placement, flat=(start, length),
-replicated_over=...)` with the axes that still replicate that shard.
+replicated_over=...)` with the axes that still replicate that shard. An optimizer that holds
+the parameters' shards itself (ZeRO-3: the modules keep no usable full parameters) sets
+`owns_parameter_shards = True` and returns each parameter's shard under the key "param";
+the checkpoint then saves and loads parameters through the optimizer only (buffers still
+come from the modules), and `load_sharded_state` fills them with read_into(t, spec, "param").
 
 Test hook: `FIVEFOLD_TEST_KILL_AT_STEP=k` makes the first attempt of a torchrun job
 (TORCHELASTIC_RESTART_COUNT unset or 0) SIGKILL itself after step k, for the crash test.
@@ -82,11 +86,6 @@ FORMAT = "fivefold-checkpoint/1"
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 _RUNTIME_BUFFERS = ("tokens_per_expert", "dropped_slots")  # per-step statistics, not state
-# Fields that change parameter shapes or names: a checkpoint with other values cannot load.
-ARCHITECTURE_FIELDS = (
-    "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "tied_embeddings", "num_experts",
-    "moe_every", "first_dense_layers", "expert_ffn_hidden", "shared_experts",
-)
 
 
 class CheckpointError(ValueError):
@@ -237,6 +236,13 @@ def state_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.named_parameters()) + buffers
 
 
+def module_state_tensors(module: nn.Module, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+    """What the modules contribute: everything, or only buffers when the optimizer owns the parameters."""
+    if getattr(optimizer, "owns_parameter_shards", False):
+        return [(n, b) for n, b in module.named_buffers() if not n.endswith(_RUNTIME_BUFFERS)]
+    return state_tensors(module)
+
+
 def spec_of(where: Placement | ShardSpec, config: ModelConfig) -> ShardSpec:
     """The ShardSpec of a Placement or spec, under the canonical name (a tied head is the embedding)."""
     spec = where if isinstance(where, ShardSpec) else ShardSpec.from_placement(where)
@@ -264,11 +270,11 @@ def shard_entries(model: Any) -> list[tuple[str, ShardSpec, torch.Tensor]]:
     config, mesh = model.config.model, model.mesh
     entries = []
     for chunk in model.chunks:
-        for name, tensor in state_tensors(chunk):
+        for name, tensor in module_state_tensors(chunk, model.optimizer):
             entries.append(("param", spec_of(get_placement(tensor, name), config), tensor))
     for states in optimizer_state(model.optimizer).values():
         for key, (tensor, where) in states.items():
-            entries.append((f"optim.{key}", spec_of(where, config), tensor))
+            entries.append((key if key == "param" else f"optim.{key}", spec_of(where, config), tensor))
     return [(state, *clip_to_global(spec, t)) for state, spec, t in entries if _is_primary(spec, mesh)]
 
 
@@ -508,6 +514,7 @@ class CheckpointReader:
             self.by_tensor.setdefault((e["name"], e["state"]), []).append((e["file"], e["key"], ShardSpec.from_json(e)))
         self._handles: dict[str, Any] = {}
         self.model_config = config_from_dict(manifest["config"]).model
+        self.skip_optimizer_state = False  # set for weights-only checkpoints: optimizer state stays fresh
 
     @property
     def has_optimizer(self) -> bool:
@@ -552,6 +559,8 @@ class CheckpointReader:
         """Fill a local tensor (parameter, or optimizer state under `state`, e.g. "exp_avg")."""
         spec = spec_of(target, self.model_config)
         key = state if state == "param" or state.startswith("optim.") else f"optim.{state}"
+        if key != "param" and self.skip_optimizer_state:
+            return
         if tuple(tensor.shape) != tuple(spec.local_shape):
             raise CheckpointError(f"{spec.name}: local tensor {tuple(tensor.shape)} does not match its spec {spec.local_shape}")
         assemble(spec, list(self.pieces(spec, key)), tensor)
@@ -574,14 +583,14 @@ def load_into(model: Any, path: Path, manifest: dict[str, Any]) -> int:
     """Overwrite this rank's parameters, optimizer state and RNG from a checkpoint; return its step."""
     reader = CheckpointReader(path, manifest)
     config = model.config.model
-    for chunk in model.chunks:
-        for name, tensor in state_tensors(chunk):
-            reader.read_into(tensor, spec_of(get_placement(tensor, name), config), "param")
     optimizer = model.optimizer
-    if reader.has_optimizer:
-        optimizer_state(optimizer)  # raises if the optimizer lacks the protocol
-        optimizer.load_sharded_state(reader)
-        optimizer.steps = int(manifest["optimizer_steps"])
+    for chunk in model.chunks:
+        for name, tensor in module_state_tensors(chunk, optimizer):
+            reader.read_into(tensor, spec_of(get_placement(tensor, name), config), "param")
+    optimizer_state(optimizer)  # raises if the optimizer lacks the protocol
+    reader.skip_optimizer_state = not reader.has_optimizer  # imported weights: fresh moments
+    optimizer.load_sharded_state(reader)
+    optimizer.steps = int(manifest["optimizer_steps"])
     if manifest["world_size"] == model.mesh.world_size:
         set_rng_states(reader.rng_states(model.mesh.rank))
     return int(manifest["step"])
