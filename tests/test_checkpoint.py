@@ -351,8 +351,13 @@ def test_two_ranks_write_in_parallel_and_any_world_reshards(pools, tmp_path):
     path = Path(pools.run(2, save_column_sharded, config, str(root))[0])
     manifest = read_manifest(path)
     assert manifest["world_size"] == 2 and {"rank_00000.safetensors", "rank_00001.safetensors"} <= set(manifest["files"])
+    wq = [e for e in manifest["entries"] if e["name"] == "layers.0.attn.wq.weight" and e["state"] == "param"]
+    assert sorted((e["file"], tuple(e["offsets"]), tuple(e["shape"])) for e in wq) == [
+        ("rank_00000.safetensors", (0, 0), (64, 32)), ("rank_00001.safetensors", (0, 32), (64, 32))]
+    norms = [e for e in manifest["entries"] if e["name"] == "norm.weight"]
+    assert [e["file"] for e in norms] == ["rank_00000.safetensors"] * 3  # a replica is written once
     for report in pools.run(2, load_row_sharded, config, str(root)):
-        assert report == {"step": 5, "optimizer_steps": 7, "mismatches": []}
+        assert report == {"step": 5, "optimizer_steps": 7, "mismatches": [], "sharded": True}
     # One process, whole tensors: the parameters are the deterministic initial weights.
     model = fresh_model(config)
     assert resume_latest(model, root) == 5
