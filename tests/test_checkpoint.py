@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from fivefold.checkpoint import (
 from fivefold.config import load_config
 from fivefold.layout import validate
 from fivefold.mesh import Mesh
-from fivefold.parallel.sharding import Placement, Split, full_shapes, gather_full_state
+from fivefold.parallel.sharding import Placement, Split
 from fivefold.train import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +287,7 @@ def test_corrupt_newest_falls_back_to_previous(dense_run, tmp_path, capsys, dama
     model = fresh_model(config)
     assert resume_latest(model, checkpoint_root(copy)) == 2
     out = capsys.readouterr().out
-    assert "skipping checkpoint step_000003" in out and __import__("re").search(message, out), out
+    assert "skipping checkpoint step_000003" in out and re.search(message, out), out
     expected = optimizer_states(checkpoint_root(run_dir) / "step_000002")
     params = dict(model.chunks[0].named_parameters())
     assert all(torch.equal(params[name], t) for (name, state), t in expected.items() if state == "param")
