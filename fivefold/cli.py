@@ -63,6 +63,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     config = config_from_args(args.config, args.layout, overrides)
     if args.run_dir:
         config = config.replace(train=_replace(config.train, run_dir=args.run_dir))
+    if args.resume:
+        config = config.replace(checkpoint=_replace(config.checkpoint, resume=True))
     if args.layout == "auto":
         config = choose_layout_automatically(config, args.world_size)
     config = validate(config)  # before any process starts
@@ -158,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--layout", default=None, help='e.g. "dp=2,tp=2,pp=2", or "auto" to let the planner choose')
     train.add_argument("--run-dir", default=None, help="where metrics, checkpoints and weights go")
     train.add_argument("--world-size", type=int, default=None, help="processes for --layout auto")
+    train.add_argument(
+        "--resume", action="store_true",
+        help="continue from the newest complete checkpoint of --run-dir (start fresh if there is none); "
+        "checkpoints are written every --checkpoint.interval steps",
+    )
     train.set_defaults(func=cmd_train)
 
     gen = sub.add_parser("generate", help="sample text from a trained run")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
-from .data import Sampler, load_tokenizer, load_tokens
+from .data import Sampler, TokenData, load_tokenizer, load_tokens
 from .layout import validate
 from .mesh import Mesh, device_for
 from .parallel.sharding import full_shapes, gather_full_state
@@ -67,11 +67,32 @@ def _progress(enabled: bool, total: int):
     )
 
 
-def run_training(config: Config, run_dir: Path | None = None, show_progress: bool = True) -> list[dict]:
-    """Train `config` on this process's part of the layout; returns the per-step records."""
-    config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
-    mesh, device = init_distributed(config)
-    torch.manual_seed(config.train.seed)
+def resume_step(model, config: Config, run_dir: Path) -> int:
+    """With checkpoint.resume, load the newest usable checkpoint of the run; the step to start at."""
+    if not config.checkpoint.resume:
+        return 0
+    from .checkpoint import checkpoint_root, resume_latest
+
+    step = resume_latest(model, checkpoint_root(run_dir))
+    if model.mesh.rank == 0:
+        print(f"resuming at step {step}" if step else f"no checkpoint in {checkpoint_root(run_dir)}: starting at step 0")
+    return step
+
+
+def checkpoint_due(config: Config, steps_done: int) -> bool:
+    interval = config.checkpoint.interval
+    return bool(interval) and (steps_done % interval == 0 or steps_done == config.train.steps)
+
+
+def save_step(model, config: Config, run_dir: Path, steps_done: int) -> None:
+    from .checkpoint import checkpoint_root, save_checkpoint
+
+    path = save_checkpoint(model, steps_done, checkpoint_root(run_dir), keep=config.checkpoint.keep)
+    if model.mesh.rank == 0:
+        print(f"checkpoint {path}")
+
+
+def load_data(config: Config) -> tuple[TokenData, Sampler]:
     tokenizer = load_tokenizer(config.data.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(
@@ -79,17 +100,17 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
             f"set model.vocab_size >= {tokenizer.vocab_size}"
         )
     data = load_tokens(config.data, tokenizer)
-    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
-    model = build(config, mesh, device)
-    is_main = mesh.rank == 0
-    run_dir = run_dir or new_run_dir(config)
-    log = MetricsLog(run_dir, enabled=is_main)
-    if is_main:
-        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    records = []
-    with _progress(is_main and show_progress, config.train.steps) as progress:
-        task = progress.add_task("train", total=config.train.steps, loss=float("nan"), tps=0.0)
-        for step in range(config.train.steps):
+    return data, Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+
+
+def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_dir: Path, start: int, log, progress) -> tuple[list[dict], bool]:
+    """Steps start..steps-1, checkpointing on schedule and on SIGTERM. Returns (records, stopped early)."""
+    from .checkpoint import StopRequest, kill_hook_for_tests
+
+    records, stop, stopping = [], StopRequest(), False
+    task = progress.add_task("train", total=config.train.steps, completed=start, loss=float("nan"), tps=0.0)
+    try:
+        for step in range(start, config.train.steps):
             result = train_step(model, sampler, step)
             record = step_record(result)
             if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:
@@ -97,10 +118,36 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
             records.append(record)
             log.write(record)
             progress.update(task, advance=1, loss=result.loss, tps=record["tokens_per_s"])
-    path = save_final_weights(model, run_dir, config)
-    log.close()
-    if is_main and path is not None:
-        first, last = records[0]["loss"], records[-1]["loss"]
-        print(f"loss {first:.4f} -> {last:.4f} in {len(records)} steps; weights: {path}; metrics: {log.path}")
-    return records
+            kill_hook_for_tests(step + 1)
+            stopping = stop.agreed(model)
+            if checkpoint_due(config, step + 1) or stopping:
+                save_step(model, config, run_dir, step + 1)
+            if stopping:
+                break
+    finally:
+        stop.close()
+    return records, stopping
 
+
+def run_training(config: Config, run_dir: Path | None = None, show_progress: bool = True) -> list[dict]:
+    """Train `config` on this process's part of the layout; returns the per-step records."""
+    config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
+    mesh, device = init_distributed(config)
+    torch.manual_seed(config.train.seed)
+    data, sampler = load_data(config)
+    model = build(config, mesh, device)
+    is_main = mesh.rank == 0
+    run_dir = run_dir or new_run_dir(config)
+    start = resume_step(model, config, run_dir)  # before anything is written to the run directory
+    log = MetricsLog(run_dir, enabled=is_main)
+    if is_main:
+        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    with _progress(is_main and show_progress, config.train.steps) as progress:
+        records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress)
+    path = None if stopped else save_final_weights(model, run_dir, config)
+    log.close()
+    if is_main and records:
+        first, last = records[0]["loss"], records[-1]["loss"]
+        where = f"weights: {path}" if path else "stopped by SIGTERM after a checkpoint"
+        print(f"loss {first:.4f} -> {last:.4f} in {len(records)} steps; {where}; metrics: {log.path}")
+    return records

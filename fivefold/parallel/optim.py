@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..config import TrainConfig
 from ..mesh import Mesh
 from . import comm
-from .sharding import get_placement, replica_count
+from .sharding import Placement, get_placement, replica_count
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,21 @@ class ReplicatedAdamW:
     def zero_grad(self) -> None:
         for _, p in self.named:
             p.grad = None
+
+    # Checkpoint protocol (fivefold/checkpoint.py): each state tensor sits where its parameter does.
+    def sharded_state(self) -> dict[str, dict[str, tuple[torch.Tensor, Placement]]]:
+        out = {}
+        for name, p in self.named:
+            m, v = self.state[id(p)]
+            placement = get_placement(p, name)
+            out[name] = {"exp_avg": (m, placement), "exp_avg_sq": (v, placement)}
+        return out
+
+    def load_sharded_state(self, reader) -> None:
+        for name, p in self.named:
+            placement = get_placement(p, name)
+            for key, tensor in zip(("exp_avg", "exp_avg_sq"), self.state[id(p)]):
+                reader.read_into(tensor, placement, key)
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
