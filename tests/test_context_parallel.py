@@ -140,3 +140,144 @@ def test_cores_exact_against_full_attention_with_exact_bytes(pools):
         for case, (error, sent, expected) in zip(cases, rank_results):
             assert error < 1e-12, case
             assert sent == expected, (case, sent, expected)
+
+
+# ----------------------------------------------------------------------------- training parity
+
+
+def _sum_gradients_over_replicas(optimizer) -> None:
+    from fivefold.parallel import comm
+    from fivefold.parallel.sharding import get_placement
+
+    for name, p in optimizer.named:
+        axes = get_placement(p, name).replicated_over
+        axis = "dp_cp" if "dp_cp" in axes else "edp" if "edp" in axes else None
+        if axis is not None:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, optimizer.mesh[axis])
+
+
+def _summing_adamw(chunks, mesh, config):
+    """Test-only stand-in for DataParallelAdamW: replicated AdamW + gradient sum over replicas."""
+    from fivefold.parallel.optim import AdamWSettings, ReplicatedAdamW
+
+    optimizer = ReplicatedAdamW(list(chunks), mesh, AdamWSettings.from_train(config.train))
+    finalizers = optimizer.grad_finalizers
+
+    def finish_grad_sync() -> None:
+        _sum_gradients_over_replicas(optimizer)
+        for finalize in finalizers:
+            finalize()
+
+    optimizer.finish_grad_sync = finish_grad_sync
+    return optimizer
+
+
+@contextlib.contextmanager
+def _data_parallel_optimizer():
+    """Use the stand-in optimizer only while fivefold.parallel.data_parallel does not exist."""
+    import fivefold.parallelize as parallelize
+
+    if importlib.util.find_spec("fivefold.parallel.data_parallel") is not None:
+        yield
+        return
+    original = parallelize.build_optimizer
+
+    def build(chunks, mesh, config):
+        if mesh.dp_cp.size == 1 and mesh.edp.size == 1:
+            return original(chunks, mesh, config)
+        return _summing_adamw(chunks, mesh, config)
+
+    parallelize.build_optimizer = build
+    try:
+        yield
+    finally:
+        parallelize.build_optimizer = original
+
+
+def _train_configs(ctx, configs, steps):
+    """Train each config on this rank; rank 0 returns the traces, every rank its cp bytes."""
+    from fivefold.parity import train_trace
+
+    out = []
+    with _data_parallel_optimizer():
+        for config in configs:
+            resolved = validate(config, ctx.world_size)
+            trace = train_trace(resolved, ctx.mesh(resolved.layout), steps)
+            cp_bytes = trace.comm_bytes.get("cp", 0)
+            out.append((trace if ctx.rank == 0 else None, cp_bytes))
+    return out
+
+
+def _tiny(preset: str = "tiny", seq: int = 24, moe_capacity: bool = False, **layout):
+    """The tiny preset with two layers and Adam's eps at 1e-4 (see PARITY_EPS), on a layout."""
+    overrides = [f"train.seq_len={seq}", "model.layers=2", f"train.eps={PARITY_EPS}"]
+    overrides += [f"layout.{k}={v}" for k, v in layout.items()]
+    if moe_capacity:  # drop tokens, so capacity priorities across chunks are exercised
+        overrides += ["model.dropless=false", "model.capacity_factor=1.0"]
+    return load_config(preset, overrides)
+
+
+# Parameters are compared after Adam steps. Adam divides each gradient by its own magnitude plus
+# eps, so at an element whose gradient is near zero a rounding difference dg (from summing in
+# another order: about 1e-7 of a tensor's largest gradient, ~1e-8 here) moves the parameter by
+# up to lr * dg / eps. With the default eps = 1e-8 that is up to lr itself (1e-2): plain dp=2
+# measurably exceeds the 1e-5 parameter bound that way, without any context parallelism.
+# eps = 1e-4 bounds the effect to lr * 1e-4 = 1e-6, so the comparison measures the layout.
+PARITY_EPS = 1e-4
+
+
+def _expected_cp_bytes(config, steps: int) -> int:
+    resolved = validate(config, config.layout.world_size).layout
+    m = config.model
+    heads, kv = m.heads // resolved.tp, max(m.n_kv_heads // resolved.tp, 1)
+    per_layer = analytic_cp_bytes(
+        resolved.cp_algorithm, resolved.cp, resolved.micro_batch, config.train.seq_len // resolved.cp, heads, kv, m.head_dim
+    )
+    return steps * resolved.grad_accum * m.layers * per_layer
+
+
+HAS_TP = importlib.util.find_spec("fivefold.parallel.tensor_parallel") is not None
+
+
+def _check_parity_and_bytes(results, configs, reference, steps: int) -> None:
+    from fivefold.parity import assert_parity
+
+    for i, config in enumerate(configs):
+        trace = results[0][i][0]
+        assert_parity(reference(config, steps), trace)
+        if config.model.is_moe:
+            assert any(layer["dropped_fraction"] > 0 for layer in trace.moe[0].values())  # capacity really drops
+        else:
+            expected = _expected_cp_bytes(config, steps)
+            assert all(r[i][1] == expected for r in results), (config.layout, [r[i][1] for r in results], expected)
+
+
+def test_training_parity_and_cp_bytes_4_ranks(pools, reference):
+    """cp 2 and 4, alone and with dp=2, every algorithm, lengths that are not powers of two,
+    gradient accumulation, and MoE with capacity drops across chunks."""
+    configs = [
+        _tiny(cp=4, cp_algorithm="ring", seq=40),
+        _tiny(cp=4, cp_algorithm="ulysses", seq=24),  # 2 key/value heads repeated to 4
+        _tiny(cp=2, dp=2, cp_algorithm="allgather", seq=24, grad_accum=2),
+        _tiny(cp=2, dp=2, cp_algorithm="ring", seq=24),
+        _tiny("tiny-moe", cp=2, dp=2, cp_algorithm="ring", seq=24, moe_capacity=True),
+        _tiny("tiny-moe", cp=4, cp_algorithm="allgather", seq=40, moe_capacity=True),
+    ]
+    steps = 2
+    _check_parity_and_bytes(pools.run(4, _train_configs, configs, steps), configs, reference, steps)
+
+
+def test_training_parity_and_cp_bytes_8_ranks(pools, reference):
+    """cp 8 for each algorithm (Ulysses: one query head and a repeated kv head per rank), cp=4 x
+    dp=2, and tp=2 x cp=2 x dp=2 where tensor parallel exists."""
+    configs = [
+        _tiny(cp=8, cp_algorithm="ring", seq=48),
+        _tiny(cp=8, cp_algorithm="ulysses", seq=40),
+        _tiny(cp=4, dp=2, cp_algorithm="allgather", seq=40),
+    ]
+    if HAS_TP:
+        configs += [_tiny(tp=2, cp=2, dp=2, cp_algorithm=a, seq=24) for a in CORES]
+    steps = 2
+    _check_parity_and_bytes(pools.run(8, _train_configs, configs, steps), configs, reference, steps)
