@@ -281,3 +281,35 @@ def test_training_parity_and_cp_bytes_8_ranks(pools, reference):
         configs += [_tiny(tp=2, cp=2, dp=2, cp_algorithm=a, seq=24) for a in CORES]
     steps = 2
     _check_parity_and_bytes(pools.run(8, _train_configs, configs, steps), configs, reference, steps)
+
+
+# ----------------------------------------------------------------------------- activation memory
+
+
+def _attention_memory(ctx, seq: int, cases):
+    """Saved-for-backward bytes of one attention core call per rank, for each (algorithm, cp)."""
+    from fivefold.parallel.context_parallel import CORES, saved_activation_bytes
+
+    out = {}
+    B, Hq, Hkv, d = 1, 8, 2, 8
+    for algorithm, cp in cases:
+        mesh = ctx.mesh(Layout(cp=cp, dp=ctx.world_size // cp))
+        T = seq // cp
+        q, k, v = (torch.randn(B, h, T, d, requires_grad=True) for h in (Hq, Hkv, Hkv))
+        core = CORES[algorithm](mesh.cp)
+        out[(algorithm, cp)] = saved_activation_bytes(lambda: core(q, k, v))
+    return out
+
+
+def test_ring_attention_activation_memory_scales_as_s_over_cp(pools):
+    """Ring attention keeps O(s/cp) per rank: exactly half at cp=2, a quarter at cp=4, of cp=1.
+    The all-gather variant keeps the whole sequence's K/V (and its mask) on every rank."""
+    seq = 1024
+    cases = [(a, cp) for a in ("ring", "allgather") for cp in (1, 2, 4)]
+    memory = pools.run(4, _attention_memory, seq, cases)[0]
+    ring = [memory[("ring", cp)] for cp in (1, 2, 4)]
+    assert ring[1] * 2 == ring[0] and ring[2] * 4 == ring[0], ring
+    gathered = [memory[("allgather", cp)] for cp in (1, 2, 4)]
+    assert all(g > r for g, r in zip(gathered[1:], ring[1:])), (gathered, ring)
+    kv_full = 2 * 2 * seq * 8 * 4  # K and V of the whole sequence, fp32
+    assert all(g >= kv_full for g in gathered), gathered

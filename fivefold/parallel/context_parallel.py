@@ -376,6 +376,20 @@ class UlyssesCore(nn.Module):
         return _heads_to_seq(y, self.axis)
 
 
+def saved_activation_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct tensors autograd keeps for the backward of `fn()` (its activations)."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
 # ----------------------------------------------------------------------------- MoE hooks
 
 
