@@ -46,6 +46,27 @@ def test_zigzag_and_contiguous_positions_cover_the_sequence_once():
     assert local_positions("allgather", 2, 1, 8).tolist() == [4, 5, 6, 7]
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["layout.cp=4", "layout.cp_algorithm=ring", "train.seq_len=36"], "not divisible by 8 (zigzag"),
+        (["layout.cp=4", "layout.cp_algorithm=allgather", "train.seq_len=30"], "not divisible by 4 (cp splits"),
+        (["layout.cp=3", "layout.cp_algorithm=ulysses", "train.seq_len=24"], "Ulysses splits attention heads"),
+        (["layout.cp=4", "layout.tp=4", "layout.cp_algorithm=ulysses"], "Ulysses splits attention heads"),
+        (["layout.cp=2", "layout.cp_algorithm=striped"], "cp_algorithm='striped' is unknown"),
+    ],
+)
+def test_bad_context_parallel_layouts_are_rejected_before_launch(overrides, message):
+    config = load_config("tiny", overrides)
+    with pytest.raises(LayoutError, match=message.replace("(", r"\(")):
+        validate(config, config.layout.world_size)
+
+
+def test_ulysses_accepts_fewer_kv_heads_than_cp_when_cp_is_a_multiple():
+    validate(load_config("tiny", ["layout.cp=8", "layout.cp_algorithm=ulysses", "train.seq_len=40"]), 8)
+    validate(load_config("tiny", ["layout.cp=2", "layout.tp=2", "layout.cp_algorithm=ulysses"]), 4)
+
+
 def _reference_attention(q, k, v):
     rep = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
