@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 
 import pytest
 import torch
@@ -269,6 +268,8 @@ def _check_parity_and_bytes(results, configs, reference, steps: int) -> None:
         trace = results[0][i][0]
         assert_parity(reference(config, steps), trace)
         if config.model.is_moe:
+            ref_aux = reference(config, steps).aux_losses
+            assert all(abs(a - b) <= 1e-6 + 1e-5 * abs(a) for a, b in zip(ref_aux, trace.aux_losses)), trace.aux_losses
             assert any(layer["dropped_fraction"] > 0 for layer in trace.moe[0].values())  # capacity really drops
         else:
             expected = _expected_cp_bytes(config, steps)
@@ -282,9 +283,7 @@ def test_training_parity_and_cp_bytes_4_ranks(pools, reference):
         _tiny(cp=4, cp_algorithm="ring", seq=40),
         _tiny(cp=4, cp_algorithm="ulysses", seq=24),  # 2 key/value heads repeated to 4
         _tiny(cp=2, dp=2, cp_algorithm="allgather", seq=24, grad_accum=2),
-        _tiny(cp=2, dp=2, cp_algorithm="ring", seq=24),
         _tiny("tiny-moe", cp=2, dp=2, cp_algorithm="ring", seq=24, moe_capacity=True),
-        _tiny("tiny-moe", cp=4, cp_algorithm="allgather", seq=40, moe_capacity=True),
     ]
     steps = 2
     _check_parity_and_bytes(pools.run(4, _train_configs, configs, steps), configs, reference, steps)
@@ -297,6 +296,7 @@ def test_training_parity_and_cp_bytes_8_ranks(pools, reference):
         _tiny(cp=8, cp_algorithm="ring", seq=48),
         _tiny(cp=8, cp_algorithm="ulysses", seq=40),
         _tiny(cp=4, dp=2, cp_algorithm="allgather", seq=40),
+        _tiny("tiny-moe", cp=4, dp=2, cp_algorithm="allgather", seq=40, moe_capacity=True),
     ]
     if HAS_TP:
         configs += [_tiny(tp=2, cp=2, dp=2, cp_algorithm=a, seq=24) for a in CORES]

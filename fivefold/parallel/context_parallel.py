@@ -416,7 +416,9 @@ def capacity_slot_offsets(
     return torch.cat(pieces, dim=1)
 
 
-def make_capacity_offsets(axis: Axis, algorithm: str, num_experts: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def make_capacity_offsets(
+    axis: Axis, algorithm: str, num_experts: int, local_len: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """MoE hook: per-slot capacity offsets from every cp rank's per-chunk expert counts."""
     n, rank = axis.size, axis.rank
     mine = local_chunks(algorithm, n, rank)
@@ -424,6 +426,10 @@ def make_capacity_offsets(axis: Axis, algorithm: str, num_experts: int) -> Calla
 
     def offsets(expert_ids: torch.Tensor) -> torch.Tensor:  # (B, T, k)
         T = expert_ids.shape[1]
+        if T != local_len:  # e.g. tokens further split by sequence parallel: priorities would be wrong
+            raise NotImplementedError(
+                f"context-parallel capacity offsets expect the rank's {local_len} tokens per sequence, got {T}"
+            )
         chunk_len = T // len(mine)
         one_hot = F.one_hot(expert_ids, num_experts)  # (B, T, k, E)
         counts = torch.stack([one_hot[:, i * chunk_len : (i + 1) * chunk_len].sum(1) for i in range(len(mine))])
@@ -439,7 +445,7 @@ def _compose(first: Callable | None, then: Callable) -> Callable:
     return then if first is None else (lambda t: then(first(t)))
 
 
-def _install_moe_hooks(moe: nn.Module, mesh: Mesh, algorithm: str) -> None:
+def _install_moe_hooks(moe: nn.Module, mesh: Mesh, algorithm: str, local_len: int) -> None:
     """Per-sequence statistics and capacity priorities span the cp ranks holding the sequence.
 
     Every cp rank adds the same auxiliary loss, computed from the summed statistics, to its own
@@ -451,7 +457,7 @@ def _install_moe_hooks(moe: nn.Module, mesh: Mesh, algorithm: str) -> None:
     moe.token_stats_reduce = _compose(moe.token_stats_reduce, lambda t: comm.reduce_from(t, cp))
     if moe.capacity_offsets is not None:
         raise NotImplementedError("context parallel cannot yet combine its capacity offsets with another strategy's")
-    moe.capacity_offsets = make_capacity_offsets(cp, algorithm, moe.num_experts)
+    moe.capacity_offsets = make_capacity_offsets(cp, algorithm, moe.num_experts, local_len)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -469,5 +475,5 @@ def apply_context_parallel(chunk: nn.Module, mesh: Mesh, config: Config) -> list
     for block in chunk.layers.values():
         block.attn.core = CORES[algorithm](mesh.cp)
         if isinstance(block.mlp, MoE):
-            _install_moe_hooks(block.mlp, mesh, algorithm)
+            _install_moe_hooks(block.mlp, mesh, algorithm, config.train.seq_len // mesh.cp.size)
     return []
