@@ -22,7 +22,9 @@ from fivefold.parallel.context_parallel import (
     CORES,
     analytic_cp_bytes,
     block_backward,
+    block_backward_reference,
     block_forward,
+    block_forward_reference,
     capacity_slot_offsets,
     chunk_count,
     local_chunks,
@@ -71,8 +73,10 @@ def _reference_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
 
 
-def test_online_softmax_blocks_match_full_attention():
-    """Blocks of keys merged by log-sum-exp, and their backward, equal one causal attention."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_online_softmax_blocks_match_full_attention(fused):
+    """Blocks of keys merged by log-sum-exp, and their backward, equal one causal attention,
+    with the fused CPU kernel and with the plain-tensor version used on other devices."""
     torch.manual_seed(0)
     B, Hq, Hkv, T, d, n = 2, 4, 2, 12, 8, 3
     q, k, v = (torch.randn(B, h, T, d, dtype=torch.float64, requires_grad=True) for h in (Hq, Hkv, Hkv))
@@ -80,17 +84,22 @@ def test_online_softmax_blocks_match_full_attention():
     grad = torch.randn_like(ref)
     ref.backward(grad)
     blocks = [slice(i * T // n, (i + 1) * T // n) for i in range(n)]
+    pairs = [(i, j) for i in range(n) for j in range(i + 1)]
+    forward = block_forward if fused else block_forward_reference
     with torch.no_grad():
         out, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
-        pairs = [(i, j) for i in range(n) for j in range(i + 1)]
         for i, j in pairs:
-            o, l = block_forward(q[:, :, blocks[i]], k[:, :, blocks[j]], v[:, :, blocks[j]], causal=i == j)
+            o, l = forward(q[:, :, blocks[i]], k[:, :, blocks[j]], v[:, :, blocks[j]], causal=i == j)
             merge_block(out[:, :, blocks[i]], lse[:, :, blocks[i]], o, l)
         delta = (grad * out).sum(-1)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for i, j in pairs:
             r, c = blocks[i], blocks[j]
-            a, b, e = block_backward(q[:, :, r], k[:, :, c], v[:, :, c], grad[:, :, r], lse[:, :, r], delta[:, :, r], i == j)
+            qkv = (q[:, :, r], k[:, :, c], v[:, :, c], grad[:, :, r])
+            if fused:
+                a, b, e = block_backward(*qkv, out[:, :, r].contiguous(), lse[:, :, r].contiguous(), i == j)
+            else:
+                a, b, e = block_backward_reference(*qkv, lse[:, :, r], delta[:, :, r], i == j)
             dq[:, :, r] += a
             dk[:, :, c] += b
             dv[:, :, c] += e

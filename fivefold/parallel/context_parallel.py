@@ -112,6 +112,15 @@ def _group_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(B, kv_heads, Hq // kv_heads, T, d)
 
 
+def _fused_cpu(q: torch.Tensor) -> bool:
+    """CPU has a fused flash-attention kernel that returns the log-sum-exp and takes it back."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+
+
+def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +129,17 @@ def block_forward(
     causal: the block is the queries' own (same positions, mask j > i). Returns the block's
     normalised output (B, Hq, Tq, d) and its log-sum-exp (B, Hq, Tq).
     """
+    if _fused_cpu(q):
+        Hq = q.shape[1]
+        k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.contiguous(), k, v, 0.0, causal)
+    return block_forward_reference(q, k, v, causal)
+
+
+def block_forward_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_forward` in plain tensor operations (any device): materialises the block's scores."""
     B, Hq, Tq, d = q.shape
     scores = _block_scores(q, k, causal)  # (B, Hkv, rep, Tq, Tk)
     lse = torch.logsumexp(scores, dim=-1)
@@ -150,11 +170,37 @@ def block_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of the gradients, given the final output and lse of the queries.
+
+    Returns dq (B, Hq, Tq, d), dk, dv (B, Hkv, Tk, d).
+    """
+    if not _fused_cpu(q):
+        delta = (grad_out * out).sum(dim=-1)
+        return block_backward_reference(q, k, v, grad_out, lse, delta, causal)
+    B, Hq, Tq, d = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q.contiguous(), k, v, out, lse, 0.0, causal
+    )
+    fold = (B, Hkv, Hq // Hkv, Tk, d)  # sum the gradients of repeated key/value heads
+    return dq, dk.reshape(fold).sum(dim=2), dv.reshape(fold).sum(dim=2)
+
+
+def block_backward_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block's contribution, from the final lse and delta = rowsum(dO * O).
+    """Gradients of one block's contribution, from the final output's lse and delta = rowsum(dO * O).
 
     Returns dq (B, Hq, Tq, d), dk, dv (B, Hkv, Tk, d).
     """
@@ -261,7 +307,6 @@ def _ring_backward(
     """
     n, r, T = axis.size, axis.rank, q.shape[2]
     Hkv = kv.shape[1] // 2
-    delta = (grad_out * out).sum(dim=-1)  # (B, Hq, T)
     dq = torch.zeros_like(q)
     current, acc_in, acc_works = kv, None, []
     for step in range(n):
@@ -269,7 +314,7 @@ def _ring_backward(
         rows, cols, causal = zigzag_block((r - step) % n, r, T)
         dq_b, dk_b, dv_b = block_backward(
             q[:, :, rows], current[:, :Hkv, cols], current[:, Hkv:, cols],
-            grad_out[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal,
+            grad_out[:, :, rows].contiguous(), out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal,
         )
         dq[:, :, rows] += dq_b
         contribution = torch.zeros_like(kv)
