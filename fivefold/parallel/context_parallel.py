@@ -10,8 +10,10 @@ mask, which stays exact across chunks. Three attention algorithms (`layout.cp_al
 - "ring": K/V blocks travel around the ring by point-to-point while the current block is
   computed; partial results merge with the log-sum-exp rule (online softmax), the backward
   recomputes block scores and sends the dK/dV accumulators around the ring. Memory per rank
-  is O(s/cp): no rank ever holds more than two blocks of K/V. Zigzag chunking (rank i holds
-  chunks i and 2cp-1-i of 2cp) gives every rank the same causal work at every ring step.
+  is O(s/cp): a rank holds a few K/V-sized blocks at a time and never an s x s score matrix
+  (on CPU each block runs in the fused flash-attention kernel, which tiles the scores too).
+  Zigzag chunking (rank i holds chunks i and 2cp-1-i of 2cp) gives every rank the same
+  causal work at every ring step.
 - "ulysses": an all-to-all turns sequence-split Q/K/V into head-split Q/K/V of the whole
   sequence, attention runs locally, and an all-to-all turns the output back.
 
