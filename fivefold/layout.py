@@ -202,13 +202,26 @@ def _check_context_parallel(layout: Layout, model: ModelConfig, train: TrainConf
             f"seq_len={train.seq_len} is not divisible by {chunks} ({why}); use a multiple of {chunks}, e.g. {ok}"
         )
     if layout.cp_algorithm == "ulysses":
-        local_heads = model.heads // layout.tp
-        local_kv = max(model.n_kv_heads // layout.tp, 1)
-        if local_heads % cp or local_kv % cp:
-            raise LayoutError(
-                f"Ulysses needs the heads left after tp ({local_heads} query, {local_kv} key/value) divisible by "
-                f"cp={cp}; use cp in {[d for d in divisors(local_heads) if local_kv % d == 0]} or cp_algorithm='ring'"
-            )
+        _check_ulysses_heads(layout, model)
+
+
+def _check_ulysses_heads(layout: Layout, model: ModelConfig) -> None:
+    """Ulysses moves whole heads: the heads left after tp must split over cp.
+
+    Key/value heads may also be fewer than cp when cp is a multiple of them: each is then
+    repeated before the all-to-all so that every rank receives the one its queries use.
+    """
+    cp = layout.cp
+    local_heads = model.heads // layout.tp
+    local_kv = max(model.n_kv_heads // layout.tp, 1)
+    kv_ok = local_kv % cp == 0 or cp % local_kv == 0
+    if local_heads % cp or not kv_ok:
+        options = [d for d in divisors(local_heads) if local_kv % d == 0 or d % local_kv == 0]
+        raise LayoutError(
+            f"Ulysses splits attention heads over cp: the heads left after tp={layout.tp} ({local_heads} query, "
+            f"{local_kv} key/value) must be divisible by cp={cp} (key/value heads may also divide it); "
+            f"use cp in {options} or cp_algorithm='ring' / 'allgather'"
+        )
 
 
 def _check_zero(layout: Layout) -> None:

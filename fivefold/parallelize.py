@@ -117,6 +117,8 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
     for finalize in finalizers:
         optimizer.grad_finalizers.append(finalize)
     model = ParallelModel(config, mesh, chunks, optimizer, loss_fn, shard_sequence)
+    if layout.cp > 1:  # every cp rank holds the same per-sequence auxiliary loss: one reports it
+        model.extras["aux_owner"] = mesh.cp.rank == 0
     if layout.pp > 1:
         from .parallel.pipeline import PipelineRunner
 

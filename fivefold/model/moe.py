@@ -83,7 +83,8 @@ def capacity_keep(
 ) -> torch.Tensor:
     """Which token-slots an expert accepts under a per-sequence capacity.
 
-    expert_ids (B, T, k). Priority: choice rank first, then position. `offsets` (B, k, E) are
+    expert_ids (B, T, k). Priority: choice rank first, then position. `offsets` (B, k, E), or per
+    token (B, T, k, E) when a rank's tokens are not one contiguous run of the sequence, are
     slots of higher priority held elsewhere (other sequence chunks); by default the earlier
     choice ranks of the same tokens. Returns keep (B, T, k) bool.
     """
@@ -92,9 +93,11 @@ def capacity_keep(
     per_choice = one_hot.sum(dim=1)  # (B, k, E)
     if offsets is None:
         offsets = per_choice.cumsum(dim=1) - per_choice  # earlier choice ranks
+    if offsets.dim() == 3:  # the same offsets for every token
+        offsets = offsets[:, None, :, :]
     # position of each slot in its expert's queue: earlier tokens of the same choice rank + offset
     earlier = one_hot.cumsum(dim=1) - one_hot  # (B, T, k, E)
-    queue_pos = earlier + offsets[:, None, :, :]
+    queue_pos = earlier + offsets
     queue_pos = (queue_pos * one_hot).sum(-1)  # (B, T, k)
     return queue_pos < capacity
 

@@ -1,0 +1,526 @@
+"""Context parallelism: the sequence of every sample is split over the cp ranks.
+
+Only attention mixes tokens, so it is the only layer that communicates; everything else
+(norms, MLP, head, loss) runs on the rank's own tokens. Each rank keeps the global
+positions of its tokens: RoPE uses them (`MicroBatch.positions`) and so does the causal
+mask, which stays exact across chunks. Three attention algorithms (`layout.cp_algorithm`):
+
+- "allgather": every rank gathers K and V of the whole sequence and attends with its own
+  queries; the backward reduce-scatters dK and dV. Contiguous chunks.
+- "ring": K/V blocks travel around the ring by point-to-point while the current block is
+  computed; partial results merge with the log-sum-exp rule (online softmax), the backward
+  recomputes block scores and sends the dK/dV accumulators around the ring. Memory per rank
+  is O(s/cp): a rank holds a few K/V-sized blocks at a time and never an s x s score matrix
+  (on CPU each block runs in the fused flash-attention kernel, which tiles the scores too).
+  Zigzag chunking (rank i holds chunks i and 2cp-1-i of 2cp) gives every rank the same
+  causal work at every ring step.
+- "ulysses": an all-to-all turns sequence-split Q/K/V into head-split Q/K/V of the whole
+  sequence, attention runs locally, and an all-to-all turns the output back.
+
+Gradients of replicated parameters are summed over dp x cp by the data-parallel optimizer:
+each rank's loss is its own tokens' CE sum over the tokens of the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import Config
+from ..mesh import Axis, Mesh
+from . import comm
+
+ZIGZAG_ALGORITHMS = ("ring",)
+
+
+# ----------------------------------------------------------------------------- sequence layout (pure)
+
+
+def chunk_count(algorithm: str, cp: int) -> int:
+    """How many equal chunks each sequence is cut into: 2cp for zigzag, cp otherwise."""
+    return 2 * cp if algorithm in ZIGZAG_ALGORITHMS else cp
+
+
+def local_chunks(algorithm: str, cp: int, rank: int) -> list[int]:
+    """Global indices of the chunks rank `rank` holds, in local order (always increasing)."""
+    if algorithm in ZIGZAG_ALGORITHMS:
+        return [rank, 2 * cp - 1 - rank]
+    return [rank]
+
+
+def local_positions(algorithm: str, cp: int, rank: int, seq_len: int) -> torch.Tensor:
+    """Global positions (T/cp,) of this rank's tokens, in local order."""
+    size = seq_len // chunk_count(algorithm, cp)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in local_chunks(algorithm, cp, rank)])
+
+
+def sequence_sharder(mesh: Mesh, config: Config) -> Callable:
+    """fn(inputs (b, T), targets (b, T)) -> MicroBatch of this cp rank's tokens and positions."""
+    from ..parallelize import MicroBatch
+
+    algorithm, cp, rank = config.layout.cp_algorithm, mesh.cp.size, mesh.cp.rank
+
+    def shard(inputs: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
+        positions = local_positions(algorithm, cp, rank, inputs.shape[1]).to(inputs.device)
+        return MicroBatch(inputs[:, positions], targets[:, positions], positions)
+
+    return shard
+
+
+# ----------------------------------------------------------------------------- analytic volumes
+
+
+def kv_heads_sent(algorithm: str, cp: int, kv_heads: int) -> int:
+    """K/V heads each rank sends: Ulysses repeats them up to cp when fewer than cp."""
+    if algorithm == "ulysses" and kv_heads % cp:
+        return cp
+    return kv_heads
+
+
+def analytic_cp_bytes(
+    algorithm: str, cp: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int, elem_bytes: int = 4
+) -> int:
+    """Bytes one rank puts on the cp axis for one attention layer, forward plus backward.
+
+    heads, kv_heads: the heads this rank holds (after tensor parallel). KV = one local K and V.
+    allgather: AG of K,V forward, RS of dK,dV backward: 2 (cp-1) KV.
+    ring: cp-1 K/V hops forward, cp-1 again in the backward, cp hops of the dK/dV accumulator.
+    ulysses: (cp-1)/cp of Q,K,V and of the output, each way, forward and backward.
+    """
+    if cp == 1:
+        return 0
+    token = batch * local_len * head_dim * elem_bytes  # one head of one rank's tokens
+    kv = 2 * kv_heads * token
+    if algorithm == "allgather":
+        return 2 * (cp - 1) * kv
+    if algorithm == "ring":
+        return (3 * cp - 2) * kv
+    if algorithm == "ulysses":
+        per_rank_block = (2 * heads + 2 * kv_heads_sent(algorithm, cp, kv_heads)) * token // cp
+        return 2 * (cp - 1) * per_rank_block
+    raise ValueError(f"unknown cp algorithm {algorithm!r}")
+
+
+# ----------------------------------------------------------------------------- block attention math
+
+
+def _group_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hq, T, d) -> (B, Hkv, rep, T, d): query heads grouped by the key/value head they use."""
+    B, Hq, T, d = q.shape
+    return q.reshape(B, kv_heads, Hq // kv_heads, T, d)
+
+
+def _fused_cpu(q: torch.Tensor) -> bool:
+    """CPU has a fused flash-attention kernel that returns the log-sum-exp and takes it back."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+
+
+def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, Hq, Tq, d) on one K/V block (B, Hkv, Tk, d).
+
+    causal: the block is the queries' own (same positions, mask j > i). Returns the block's
+    normalised output (B, Hq, Tq, d) and its log-sum-exp (B, Hq, Tq).
+    """
+    if _fused_cpu(q):
+        Hq = q.shape[1]
+        k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.contiguous(), k, v, 0.0, causal)
+    return block_forward_reference(q, k, v, causal)
+
+
+def block_forward_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_forward` in plain tensor operations (any device): materialises the block's scores."""
+    B, Hq, Tq, d = q.shape
+    scores = _block_scores(q, k, causal)  # (B, Hkv, rep, Tq, Tk)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = probs @ v[:, :, None]  # (B, Hkv, rep, Tq, d)
+    return out.reshape(B, Hq, Tq, d), lse.reshape(B, Hq, Tq)
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (_group_heads(q, k.shape[1]) @ k[:, :, None].transpose(-1, -2)) * scale  # (B, Hkv, rep, Tq, Tk)
+    if causal:
+        Tq, Tk = scores.shape[-2:]
+        future = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold a block's (output, lse) into the running ones, in place (online softmax)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out * torch.exp(block_lse - new_lse)[..., None])
+    lse.copy_(new_lse)
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of the gradients, given the final output and lse of the queries.
+
+    Returns dq (B, Hq, Tq, d), dk, dv (B, Hkv, Tk, d).
+    """
+    if not _fused_cpu(q):
+        delta = (grad_out * out).sum(dim=-1)
+        return block_backward_reference(q, k, v, grad_out, lse, delta, causal)
+    B, Hq, Tq, d = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q.contiguous(), k, v, out, lse, 0.0, causal
+    )
+    fold = (B, Hkv, Hq // Hkv, Tk, d)  # sum the gradients of repeated key/value heads
+    return dq, dk.reshape(fold).sum(dim=2), dv.reshape(fold).sum(dim=2)
+
+
+def block_backward_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block's contribution, from the final output's lse and delta = rowsum(dO * O).
+
+    Returns dq (B, Hq, Tq, d), dk, dv (B, Hkv, Tk, d).
+    """
+    B, Hq, Tq, d = q.shape
+    Hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(d)
+    scores = _block_scores(q, k, causal)  # (B, Hkv, rep, Tq, Tk)
+    probs = torch.exp(scores - _group_heads(lse[..., None], Hkv))  # the final softmax restricted to this block
+    grad_out5 = _group_heads(grad_out, Hkv)  # (B, Hkv, rep, Tq, d)
+    dv = (probs.transpose(-1, -2) @ grad_out5).sum(dim=2)  # (B, Hkv, Tk, d)
+    dprobs = grad_out5 @ v[:, :, None].transpose(-1, -2)  # (B, Hkv, rep, Tq, Tk)
+    dscores = probs * (dprobs - _group_heads(delta[..., None], Hkv)) * scale
+    dq = (dscores @ k[:, :, None]).reshape(B, Hq, Tq, d)
+    dk = (dscores.transpose(-1, -2) @ _group_heads(q, Hkv)).sum(dim=2)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- ring attention
+
+
+def zigzag_block(source: int, rank: int, local_len: int) -> tuple[slice, slice, bool]:
+    """Which queries attend to which keys when rank `rank` holds the K/V block of rank `source`.
+
+    Local tokens are the chunks (rank, 2cp-1-rank). Own block: causal. A block from an
+    earlier rank: every query sees its first chunk only. From a later rank: only the second
+    query chunk sees it, whole. Every case is half the block pair: balanced work.
+    Returns (query rows, key rows, causal).
+    """
+    half = local_len // 2
+    if source == rank:
+        return slice(None), slice(None), True
+    if source < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def _exchange(axis: Axis, send: torch.Tensor, op_name: str) -> tuple[torch.Tensor, list]:
+    """Post: send `send` to the next rank, receive the same shape from the previous one."""
+    if axis.size == 1:  # a ring of one: the block comes back to its owner
+        return send, []
+    recv = torch.empty_like(send)
+    n, r = axis.size, axis.rank
+    works = comm.send_recv(axis, sends=[(send, (r + 1) % n)], recvs=[(recv, (r - 1) % n)], op_name=op_name)
+    return recv, works
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal ring attention over zigzag chunks; q (B, Hq, T, d), k, v (B, Hkv, T, d) local."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis: Axis):
+        dtype = _compute_dtype(q)
+        q32, kv = q.to(dtype), torch.cat([k, v], dim=1).to(dtype).contiguous()  # (B, 2Hkv, T, d)
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = _ring_forward(q32, kv, axis)
+        ctx.axis = axis
+        ctx.save_for_backward(q32, kv, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, out, lse = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dkv = _ring_backward(q, kv, out, lse, grad_out.to(q.dtype), ctx.axis)
+        Hkv = kv.shape[1] // 2
+        dk, dv = dkv.split(Hkv, dim=1)
+        return dq.to(grad_out.dtype), dk.to(grad_out.dtype), dv.to(grad_out.dtype), None
+
+
+def _ring_forward(q: torch.Tensor, kv: torch.Tensor, axis: Axis) -> tuple[torch.Tensor, torch.Tensor]:
+    n, r, T = axis.size, axis.rank, q.shape[2]
+    Hkv = kv.shape[1] // 2
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)
+    current = kv
+    for step in range(n):
+        # Post the next block's transfer first, so it travels while this one is computed.
+        incoming, works = _exchange(axis, current, "ring_kv") if step < n - 1 else (None, [])
+        rows, cols, causal = zigzag_block((r - step) % n, r, T)
+        k, v = current[:, :Hkv, cols], current[:, Hkv:, cols]
+        block_out, block_lse = block_forward(q[:, :, rows], k, v, causal)
+        merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        _wait(works)
+        current = incoming
+    return out, lse
+
+
+def _ring_backward(
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, axis: Axis
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V blocks circulate as in the forward; each block's dK/dV accumulator travels with it.
+
+    At step s this rank holds block r-s and the accumulator of that block; after the last
+    step the accumulator that arrives is this rank's own, complete.
+    """
+    n, r, T = axis.size, axis.rank, q.shape[2]
+    Hkv = kv.shape[1] // 2
+    dq = torch.zeros_like(q)
+    current, acc_in, acc_works = kv, None, []
+    for step in range(n):
+        incoming, kv_works = _exchange(axis, current, "ring_kv") if step < n - 1 else (None, [])
+        rows, cols, causal = zigzag_block((r - step) % n, r, T)
+        dq_b, dk_b, dv_b = block_backward(
+            q[:, :, rows], current[:, :Hkv, cols], current[:, Hkv:, cols],
+            grad_out[:, :, rows].contiguous(), out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal,
+        )
+        dq[:, :, rows] += dq_b
+        contribution = torch.zeros_like(kv)
+        contribution[:, :Hkv, cols] = dk_b
+        contribution[:, Hkv:, cols] = dv_b
+        _wait(acc_works)  # the accumulator of the block held now (posted last step)
+        acc = contribution if acc_in is None else acc_in + contribution
+        acc_in, acc_works = _exchange(axis, acc, "ring_dkv")
+        _wait(kv_works)
+        current = incoming
+    _wait(acc_works)
+    return dq, acc_in
+
+
+class RingAttentionCore(nn.Module):
+    """Drop-in AttentionCore for zigzag-sharded sequences (see `zigzag_block`)."""
+
+    def __init__(self, axis: Axis) -> None:
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self.axis)
+
+
+# ----------------------------------------------------------------------------- all-gather K/V
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA with grouped-query heads; causal over local positions unless a mask is given."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class AllGatherKVCore(nn.Module):
+    """Gather K/V of the whole sequence (contiguous chunks); attend with the local queries."""
+
+    def __init__(self, axis: Axis) -> None:
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, T, Hkv = self.axis.size, q.shape[2], k.shape[1]
+        kv = torch.cat([k, v], dim=1)  # (B, 2Hkv, T, d): one collective for both
+        kv = comm.all_gather_to_full(kv, self.axis, dim=2)  # (B, 2Hkv, n*T, d); backward: reduce-scatter
+        q_pos = torch.arange(self.axis.rank * T, (self.axis.rank + 1) * T, device=q.device)
+        k_pos = torch.arange(n * T, device=q.device)
+        visible = q_pos[:, None] >= k_pos[None, :]  # (T, n*T) exact causal mask in global positions
+        return _local_attention(q, kv[:, :Hkv], kv[:, Hkv:], visible)
+
+
+# ----------------------------------------------------------------------------- Ulysses
+
+
+def _expand_kv_for_ulysses(k: torch.Tensor, cp: int) -> torch.Tensor:
+    """Fewer key/value heads than cp: repeat each so that every rank receives the one it needs."""
+    Hkv = k.shape[1]
+    if Hkv % cp == 0:
+        return k
+    if cp % Hkv:
+        raise ValueError(f"Ulysses: {Hkv} key/value heads neither divisible by nor dividing cp={cp}")
+    return k.repeat_interleave(cp // Hkv, dim=1)
+
+
+def _seq_to_heads(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(B, H, T/cp, d) sequence-split -> (B, H/cp, T, d) head-split, via one all-to-all."""
+    B, H, T, d = x.shape
+    n = axis.size
+    x = x.reshape(B, n, H // n, T, d).transpose(0, 1)  # (n, B, H/n, T, d): block i goes to rank i
+    x = comm.all_to_all_autograd(x, axis)  # (n, B, H/n, T, d): block i is rank i's chunk
+    return x.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * T, d)
+
+
+def _heads_to_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(B, H/cp, T, d) head-split -> (B, H, T/cp, d) sequence-split."""
+    B, h, T, d = x.shape
+    n = axis.size
+    x = x.reshape(B, h, n, T // n, d).permute(2, 0, 1, 3, 4)  # (n, B, h, T/n, d): chunk i goes to rank i
+    x = comm.all_to_all_autograd(x, axis)  # block i holds head group i
+    return x.transpose(0, 1).reshape(B, n * h, T // n, d)
+
+
+class UlyssesCore(nn.Module):
+    """All-to-all to head-split full sequences, plain causal attention, all-to-all back."""
+
+    def __init__(self, axis: Axis) -> None:
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = self.axis.size
+        B, Hq, T, d = q.shape
+        k, v = _expand_kv_for_ulysses(k, n), _expand_kv_for_ulysses(v, n)
+        hq, hkv = Hq // n, k.shape[1] // n
+        # One all-to-all for q, k and v: group the heads each rank receives together.
+        qkv = torch.cat([t.reshape(B, n, -1, T, d) for t in (q, k, v)], dim=2)  # (B, n, hq+2hkv, T, d)
+        qkv = _seq_to_heads(qkv.reshape(B, -1, T, d), self.axis)  # (B, hq+2hkv, n*T, d)
+        q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+        y = _local_attention(q, k, v)  # (B, hq, n*T, d): whole sequences, positions in order
+        return _heads_to_seq(y, self.axis)
+
+
+def saved_activation_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct tensors autograd keeps for the backward of `fn()` (its activations)."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------- MoE hooks
+
+
+def capacity_slot_offsets(
+    global_counts: torch.Tensor, chunks: list[int], chunk_len: int
+) -> torch.Tensor:
+    """Per-slot count of higher-priority slots to the same expert that the local cumsum misses.
+
+    global_counts (G, B, k, E): slots per (sequence chunk, sequence, choice rank, expert), for
+    all G chunks of the sequence. `capacity_keep` adds, for each local slot, the same-choice
+    slots of earlier local tokens; this returns the rest of the GShard priority order:
+    every slot of an earlier choice rank, plus same-choice slots of earlier chunks held
+    elsewhere. Returns (B, len(chunks) * chunk_len, k, E).
+    """
+    total = global_counts.sum(dim=0)  # (B, k, E)
+    earlier_choices = total.cumsum(dim=1) - total
+    earlier_chunks = global_counts.cumsum(dim=0) - global_counts  # (G, B, k, E)
+    counted_locally = torch.zeros_like(total)
+    pieces = []
+    for g in chunks:
+        offset = earlier_choices + earlier_chunks[g] - counted_locally  # (B, k, E)
+        pieces.append(offset[:, None].expand(-1, chunk_len, -1, -1))
+        counted_locally = counted_locally + global_counts[g]
+    return torch.cat(pieces, dim=1)
+
+
+def make_capacity_offsets(
+    axis: Axis, algorithm: str, num_experts: int, local_len: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """MoE hook: per-slot capacity offsets from every cp rank's per-chunk expert counts."""
+    n, rank = axis.size, axis.rank
+    mine = local_chunks(algorithm, n, rank)
+    order = [c for r in range(n) for c in local_chunks(algorithm, n, r)]  # chunk index of each gathered row
+
+    def offsets(expert_ids: torch.Tensor) -> torch.Tensor:  # (B, T, k)
+        T = expert_ids.shape[1]
+        if T != local_len:  # e.g. tokens further split by sequence parallel: priorities would be wrong
+            raise NotImplementedError(
+                f"context-parallel capacity offsets expect the rank's {local_len} tokens per sequence, got {T}"
+            )
+        chunk_len = T // len(mine)
+        one_hot = F.one_hot(expert_ids, num_experts)  # (B, T, k, E)
+        counts = torch.stack([one_hot[:, i * chunk_len : (i + 1) * chunk_len].sum(1) for i in range(len(mine))])
+        gathered = comm.all_gather(counts, axis, dim=0)  # (n * m, B, k, E) in rank order
+        by_chunk = torch.empty_like(gathered)
+        by_chunk[torch.tensor(order)] = gathered
+        return capacity_slot_offsets(by_chunk, mine, chunk_len)
+
+    return offsets
+
+
+def _compose(first: Callable | None, then: Callable) -> Callable:
+    return then if first is None else (lambda t: then(first(t)))
+
+
+def _install_moe_hooks(moe: nn.Module, mesh: Mesh, algorithm: str, local_len: int) -> None:
+    """Per-sequence statistics and capacity priorities span the cp ranks holding the sequence.
+
+    Every cp rank adds the same auxiliary loss, computed from the summed statistics, to its own
+    loss, and gradients are then summed over dp x cp. So the statistics' backward is the
+    identity (reduce_from): the sum over ranks of each rank's own share of the derivative is
+    the derivative of the one auxiliary loss.
+    """
+    cp = mesh.cp
+    moe.token_stats_reduce = _compose(moe.token_stats_reduce, lambda t: comm.reduce_from(t, cp))
+    if moe.capacity_offsets is not None:
+        raise NotImplementedError("context parallel cannot yet combine its capacity offsets with another strategy's")
+    moe.capacity_offsets = make_capacity_offsets(cp, algorithm, moe.num_experts, local_len)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+CORES = {"allgather": AllGatherKVCore, "ring": RingAttentionCore, "ulysses": UlyssesCore}
+
+
+def apply_context_parallel(chunk: nn.Module, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
+    """Swap every attention core for the distributed one; make MoE statistics span the sequence."""
+    from ..model.moe import MoE
+
+    algorithm = config.layout.cp_algorithm
+    if algorithm not in CORES:
+        raise ValueError(f"unknown cp algorithm {algorithm!r}; use one of {', '.join(CORES)}")
+    for block in chunk.layers.values():
+        block.attn.core = CORES[algorithm](mesh.cp)
+        if isinstance(block.mlp, MoE):
+            _install_moe_hooks(block.mlp, mesh, algorithm, config.train.seq_len // mesh.cp.size)
+    return []
