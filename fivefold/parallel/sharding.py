@@ -109,9 +109,12 @@ def materialize(model: nn.Module, config: ModelConfig, seed: int, device: torch.
     Each local tensor receives its slice of the full initial value, so every layout starts
     from the weights of the single-process model.
     """
+    # to_empty replaces meta parameters by new objects, dropping attributes: keep the placements.
+    placements = {name: get_placement(tensor, name) for name, tensor in _local_tensors(model)}
     model.to_empty(device=device)
     for name, tensor in _local_tensors(model):
-        placement = get_placement(tensor, name)
+        placement = placements[name]
+        set_placement(tensor, placement)
         full = initial_value(canonical_name(placement.name, config), placement.global_shape, seed, config)
         tensor.copy_(placement.take(full))
     for name, buf in model.named_buffers():
