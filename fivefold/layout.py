@@ -312,6 +312,11 @@ def _check_model(model: ModelConfig) -> None:
             raise LayoutError(f"model.router='{model.router}' is unknown; use softmax or sigmoid")
         if model.moe_every < 1:
             raise LayoutError("model.moe_every must be at least 1")
+        if model.bias_update_rate and model.router != "sigmoid":
+            raise LayoutError(
+                f"model.bias_update_rate={model.bias_update_rate} needs model.router='sigmoid' (auxiliary-loss-free "
+                "balancing steers sigmoid scores); set the router or bias_update_rate = 0"
+            )
     elif model.shared_experts or not model.dropless or model.bias_update_rate or model.router != "softmax":
         raise LayoutError(
             "MoE options (shared_experts, dropless, bias_update_rate, router) are set on a dense model; "

@@ -93,12 +93,15 @@ def moe_statistics(model: ParallelModel) -> dict[str, Any]:
     for chunk in model.chunks:
         for name, moe in chunk.moe_layers().items():
             counts = torch.cat([moe.tokens_per_expert, moe.dropped_slots.reshape(1)]).double()
-            if mesh.tp.rank != 0:
-                counts.zero_()  # tp ranks see the same tokens unless sequence parallel splits them
+            # Sum over the ranks that route distinct tokens, each once: dp x cp ranks always
+            # do (expert parallel or not); tp ranks only when the MoE sets `stats_axes`
+            # (sequence parallel splits the tokens), otherwise they see the same ones.
             if getattr(moe, "stats_axes", None):
                 for axis in moe.stats_axes:
                     comm.all_reduce(counts, mesh[axis])
             else:
+                if mesh.tp.rank != 0:
+                    counts.zero_()
                 comm.all_reduce(counts, mesh.dp_cp)
                 comm.all_reduce(counts, mesh.tp)
             per_expert = counts[:-1]

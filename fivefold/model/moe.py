@@ -27,13 +27,24 @@ import torch.nn.functional as F
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts with stacked weights: gate, up (E, f, h) and down (E, h, f)."""
+    """E SwiGLU experts with stacked weights: gate, up (E, f, h) and down (E, h, f).
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
+    `kernel` picks how the groups of rows are multiplied; all give the same values:
+    "grouped" (torch._grouped_mm, one call per matrix), "padded" (pad every group to the
+    largest and use one batched matmul), "loop" (one matmul per expert), or "auto" (grouped
+    where torch supports it for these tensors, else loop). benchmarks/bench_ep.py compares them.
+    """
+
+    KERNELS = ("auto", "grouped", "padded", "loop")
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, kernel: str = "auto") -> None:
         super().__init__()
         self.gate = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.up = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        if kernel not in self.KERNELS:
+            raise ValueError(f"expert kernel {kernel!r} is unknown; use one of {self.KERNELS}")
+        self.kernel = kernel
 
     @property
     def num_local(self) -> int:
@@ -41,6 +52,16 @@ class Experts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """tokens (N, h) grouped by expert, counts[e] rows each; returns (N, h)."""
+        kernel = self.kernel
+        if kernel == "auto":
+            kernel = "grouped" if grouped_mm_supported(tokens, self.gate) else "loop"
+        if kernel == "grouped":
+            return self._grouped(tokens, counts)
+        if kernel == "padded":
+            return self._padded(tokens, counts)
+        return self._loop(tokens, counts)
+
+    def _loop(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outputs = []
         start = 0
         for e, n in enumerate(counts):
@@ -51,6 +72,43 @@ class Experts(nn.Module):
         if not outputs:
             return tokens.new_zeros(0, tokens.shape[-1])
         return torch.cat(outputs, dim=0)
+
+    def _grouped(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        # offs[e] is the end row of group e; the weights are used transposed, as views.
+        offs = torch.tensor(counts, dtype=torch.int64, device=tokens.device).cumsum(0).to(torch.int32)
+        gate = torch._grouped_mm(tokens, self.gate.transpose(1, 2), offs=offs)  # (N, f)
+        up = torch._grouped_mm(tokens, self.up.transpose(1, 2), offs=offs)  # (N, f)
+        return torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offs)  # (N, h)
+
+    def _padded(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        E, width = len(counts), max(counts, default=0)
+        if width == 0:
+            return tokens.new_zeros(0, tokens.shape[-1])
+        # row r of group e sits at padded position e * width + r
+        counts_t = torch.tensor(counts, device=tokens.device)
+        starts = counts_t.cumsum(0) - counts_t
+        group = torch.repeat_interleave(torch.arange(E, device=tokens.device), counts_t)
+        slot = group * width + torch.arange(tokens.shape[0], device=tokens.device) - starts[group]
+        padded = tokens.new_zeros(E * width, tokens.shape[-1]).index_copy(0, slot, tokens).view(E, width, -1)
+        h = F.silu(padded @ self.gate.transpose(1, 2)) * (padded @ self.up.transpose(1, 2))  # (E, W, f)
+        out = (h @ self.down.transpose(1, 2)).reshape(E * width, -1)  # (E*W, h)
+        return out.index_select(0, slot)
+
+
+def grouped_mm_supported(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs for these tensors: it needs rows aligned to 16 bytes, and
+    on CUDA bf16 (the CPU path takes fp32). Autocast regions keep the per-expert loop, whose
+    matmuls autocast handles."""
+    if not hasattr(torch, "_grouped_mm") or torch.is_autocast_enabled(tokens.device.type):
+        return False
+    if tokens.dtype != weight.dtype:
+        return False
+    if tokens.device.type == "cuda" and tokens.dtype != torch.bfloat16:
+        return False
+    if tokens.device.type not in ("cpu", "cuda"):
+        return False
+    align = 16 // tokens.element_size()
+    return weight.shape[1] % align == 0 and weight.shape[2] % align == 0
 
 
 def sort_slots_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,306 @@
+"""Expert parallelism: the experts of every MoE layer are sharded over the `ep` group.
+
+The rest of the model stays replicated. Each rank routes its own tokens (different dp rows
+or cp chunks) exactly as the single-process model does, then the MoE's `dispatcher` is
+swapped for `ExpertParallelDispatcher`, which
+
+1. orders the kept token-slots by global expert (experts of ep rank r are the contiguous
+   block [r * E/ep, (r+1) * E/ep), so this also groups them by destination rank);
+2. exchanges the per-expert counts with an all-to-all, so every rank knows its receive splits;
+3. sends the token rows with an all-to-all of uneven splits;
+4. regroups the received rows by local expert and runs the experts (`Experts.kernel`);
+5. sends the results back with the reverse all-to-all and puts each at its slot.
+
+The MoE then weights the slots by their router probabilities as in the single-process model.
+Backward runs through the same pairs (`comm.all_to_all_autograd`, index ops). Routing,
+capacity and dropped tokens are decided before dispatch from this rank's tokens only, so they
+are identical to the single-process model's (per-sequence capacity, see model/moe.py).
+
+Gradients: expert weights are `replicated_over` ("edp",) (and "tp" when not tp-split), so the
+data-parallel optimizer sums their gradients over expert-data-parallel ranks (and ZeRO shards
+their state there); every other parameter keeps its dp x cp placement.
+
+Tensor parallel (runs first in parallelize.py): when TP has split each expert's ffn dimension
+(a Split on dim 1 of gate/up, dim 2 of down, "tp" dropped from `replicated_over`), the EP
+split on dim 0 is added after it: `Placement.splits` = (tp split of the ffn dim, ep split of
+the expert dim). The dispatcher then owns the expert path's tp collectives, so TP must not add
+any around `experts` when ep > 1:
+- without sequence parallel, tokens are replicated over tp: the received rows enter the
+  experts through `copy_to(tp)` and leave through `reduce_from(tp)` (partial ffn sums);
+- with sequence parallel, tokens stay sequence-split: the dispatcher all-gathers them over tp
+  on entry and reduce-scatters the slot outputs on exit, so the MoE's input and output keep
+  their sequence split; routing runs on the local chunk, and `sequence_split_hooks` make
+  capacity and auxiliary losses per whole sequence (installed here for tp; the context-
+  parallel code can install them for contiguous cp chunks too).
+The dispatcher also works with ep = 1, so the same code path serves TP-only MoE layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..config import Config
+from ..mesh import Axis, Mesh
+from ..model.moe import MoE, sort_slots_by_expert
+from . import comm
+from .sharding import Placement, Split, get_placement, set_placement
+
+# ----------------------------------------------------------------------------- pure index functions
+
+
+def rank_splits(counts: torch.Tensor, ep: int) -> list[int]:
+    """Rows sent to each ep rank, from the slots per global expert counts (E,)."""
+    return counts.view(ep, -1).sum(dim=1).tolist()
+
+
+def dispatch_order(
+    expert_ids: torch.Tensor, keep: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept slots ordered by global expert, stable (ties keep slot order), and counts (E,).
+
+    expert_ids, keep: (S,) flattened slots. Because each rank holds a contiguous block of
+    experts, this order also groups the slots by destination rank.
+    """
+    return sort_slots_by_expert(expert_ids, keep, num_experts)
+
+
+def regroup_by_local_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Permutation that turns received rows from (source rank, local expert) order into
+    (local expert, source rank) order, and the rows per local expert.
+
+    recv_counts (ep, E_local): rows from each source for each local expert. Stable, so the
+    rows of one (expert, source) pair keep the order their source sent them in.
+    """
+    ep, local = recv_counts.shape
+    expert_of_row = torch.arange(local, device=recv_counts.device).repeat(ep)  # (ep * E_local,)
+    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1))  # (R,)
+    order = torch.argsort(expert_of_row, stable=True)
+    return order, recv_counts.sum(dim=0).tolist()
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inv such that inv[order[i]] = i, i.e. values[order][inv] == values."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
+def unpermute(rows: torch.Tensor, order: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Scatter rows (S_kept, h) back to their slots: out[order[i]] = rows[i]; zeros elsewhere."""
+    out = rows.new_zeros(num_slots, rows.shape[-1])
+    return out.index_copy(0, order, rows)
+
+
+def chunk_capacity_offsets(per_choice: torch.Tensor, index: int) -> torch.Tensor:
+    """Capacity offsets of sequence chunk `index`, from every chunk's assignment counts.
+
+    per_choice (n_chunks, B, k, E): assignments per (sequence, choice rank, expert) in each
+    chunk, chunks in sequence order. A slot's queue position counts the earlier choice ranks
+    of the whole sequence plus the same choice rank in earlier chunks (GShard's priority).
+    Returns (B, k, E).
+    """
+    whole = per_choice.sum(dim=0)  # (B, k, E)
+    earlier_choices = whole.cumsum(dim=1) - whole
+    earlier_chunks = per_choice[:index].sum(dim=0)
+    return earlier_choices + earlier_chunks
+
+
+def all_to_all_wire_bytes(
+    sent: torch.Tensor, rank: int, hidden: int, element_bytes: int, calls: int, count_bytes: int = 8
+) -> int:
+    """Analytic all-to-all bytes one ep rank puts on the wire, forward and backward.
+
+    sent (ep, E): slots each ep rank sent to each global expert (summed over calls). Forward
+    dispatch sends this rank's rows for other ranks' experts and combine returns the rows it
+    received from others; backward sends both again in reverse. Each of the `calls` dispatches
+    also exchanges its E/ep counts with the ep - 1 other ranks.
+    """
+    ep, E = sent.shape
+    local = E // ep
+    mine = slice(rank * local, (rank + 1) * local)
+    sent_to_others = int(sent[rank].sum() - sent[rank, mine].sum())
+    received_from_others = int(sent[:, mine].sum() - sent[rank, mine].sum())
+    tokens = 2 * (sent_to_others + received_from_others) * hidden * element_bytes
+    return tokens + calls * (ep - 1) * local * count_bytes
+
+
+# ----------------------------------------------------------------------------- the dispatcher
+
+
+class ExpertParallelDispatcher(nn.Module):
+    """All-to-all dispatch/combine around this rank's experts (see the module docstring).
+
+    `sent_counts` (E,) accumulates the slots this rank sent to each global expert and `calls`
+    the dispatches since the last `reset_counters()`: the routing behind the all-to-all bytes.
+    """
+
+    def __init__(self, ep: Axis, tp: Axis, num_experts: int, tp_split: bool, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.ep, self.tp, self.num_experts = ep, tp, num_experts
+        self.tp_split = tp_split and tp.size > 1
+        self.sequence_parallel = sequence_parallel and self.tp_split
+        self.sent_counts = torch.zeros(num_experts, dtype=torch.int64)
+        self.calls = 0
+
+    def reset_counters(self) -> None:
+        self.sent_counts = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """x (N, h); expert_ids, keep (N, k). Returns per-slot outputs (N*k, h), zero where dropped."""
+        if self.sequence_parallel:  # tp-split experts need every token of the tp group
+            x = comm.all_gather_to_full(x, self.tp, 0)
+            expert_ids = comm.all_gather(expert_ids.contiguous(), self.tp, 0)
+            keep = comm.all_gather(keep.to(torch.uint8).contiguous(), self.tp, 0).bool()
+        N, k = expert_ids.shape
+        order, counts = dispatch_order(expert_ids.reshape(-1), keep.reshape(-1), self.num_experts)
+        with torch.no_grad():
+            self.sent_counts += counts.cpu()
+            self.calls += 1
+        rows = self._exchange_and_compute(x[order // k], counts, experts)  # (S_kept, h)
+        slots = unpermute(rows, order, N * k)  # (N*k, h)
+        if self.sequence_parallel:  # sum the partial ffn outputs and keep this rank's chunk
+            slots = comm.reduce_scatter_to_shard(slots, self.tp, 0)
+        return slots
+
+    def _exchange_and_compute(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """Rows (S_kept, h) ordered by global expert -> expert outputs, in the same order."""
+        ep = self.ep.size
+        local = self.num_experts // ep
+        recv_counts = comm.all_to_all(counts.contiguous(), self.ep).view(ep, local)  # (source, local expert)
+        send_splits = rank_splits(counts, ep)
+        recv_splits = recv_counts.sum(dim=1).tolist()
+        received = comm.all_to_all_autograd(rows, self.ep, send_splits, recv_splits)  # (R, h)
+        order, expert_counts = regroup_by_local_expert(recv_counts)
+        grouped = received.index_select(0, order)
+        if self.tp_split and not self.sequence_parallel:
+            grouped = comm.copy_to(grouped, self.tp)
+        out = experts(grouped, expert_counts)  # (R, h), partial sums over the ffn shards when tp-split
+        if self.tp_split and not self.sequence_parallel:
+            out = comm.reduce_from(out, self.tp)
+        out = out.index_select(0, inverse_permutation(order))  # back to (source, expert) order
+        return comm.all_to_all_autograd(out, self.ep, recv_splits, send_splits)
+
+
+# ----------------------------------------------------------------------------- per-sequence hooks
+
+
+def sequence_split_hooks(
+    mesh: Mesh, axes: Sequence[str], num_experts: int
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """`token_stats_reduce` and `capacity_offsets` for sequences cut into contiguous chunks.
+
+    `axes` split each sequence, outer first (e.g. ("cp", "tp") for context-parallel chunks
+    split again by sequence parallel): this rank's chunk index is the mixed-radix number of its
+    ranks on those axes. Not for zigzag (ring) chunks, whose two halves are not contiguous.
+    """
+    split = [mesh[a] for a in axes if mesh[a].size > 1]
+
+    def stats_reduce(stats: torch.Tensor) -> torch.Tensor:
+        # Forward sum, backward identity: every chunk's rank adds the whole-sequence auxiliary
+        # loss to its own loss, and the gradients that reach its router from its own tokens
+        # are summed over ranks later (data parallel or the sequence-parallel finalizer), so
+        # the auxiliary loss is counted once.
+        for axis in split:
+            stats = comm.reduce_from(stats, axis)
+        return stats
+
+    def capacity_offsets(expert_ids: torch.Tensor) -> torch.Tensor:
+        """expert_ids (B, t, k) of this chunk -> offsets (B, k, E) for `capacity_keep`."""
+        per_choice = nn.functional.one_hot(expert_ids, num_experts).sum(dim=1)  # (B, k, E)
+        chunks, index = per_choice[None], 0
+        for axis in reversed(split):  # innermost first, so the outer axis ends up major
+            chunks = comm.all_gather(chunks.contiguous(), axis, 0)
+        for axis in split:
+            index = index * axis.size + axis.rank
+        return chunk_capacity_offsets(chunks, index)
+
+    return stats_reduce, capacity_offsets
+
+
+def install_sequence_split_hooks(chunk: nn.Module, mesh: Mesh, axes: Sequence[str]) -> None:
+    """Make capacity, auxiliary losses and statistics of every MoE layer per whole sequence
+    when its tokens are split over `axes` (see `sequence_split_hooks`)."""
+    for moe in chunk.moe_layers().values():
+        moe.token_stats_reduce, moe.capacity_offsets = sequence_split_hooks(mesh, axes, moe.num_experts)
+        # every rank of these axes routes distinct tokens: their statistics add up
+        # (dp_cp already covers cp)
+        extra = tuple(a for a in axes if a != "cp")
+        moe.stats_axes = tuple(dict.fromkeys(("dp_cp",) + tuple(getattr(moe, "stats_axes", ()) or ()) + extra))
+
+
+# ----------------------------------------------------------------------------- applying it
+
+
+def _is_tp_split(placement: Placement, tp: int) -> bool:
+    return tp > 1 and any(s.dim != 0 and s.count == tp for s in placement.splits)
+
+
+def _shard_expert_weight(owner: nn.Module, attr: str, name: str, mesh: Mesh) -> Placement:
+    """Keep this ep rank's block of experts (dim 0) of an (already tp-sliced) meta parameter."""
+    param = getattr(owner, attr)
+    old = get_placement(param, name)
+    ep = mesh.ep
+    over = tuple(a for a in old.replicated_over if a != "dp_cp")
+    placement = dataclasses.replace(
+        old.with_split(Split(dim=0, index=ep.rank, count=ep.size)), replicated_over=("edp",) + over
+    )
+    local_shape = (param.shape[0] // ep.size,) + tuple(param.shape[1:])
+    new = nn.Parameter(torch.empty(local_shape, device=param.device, dtype=param.dtype), param.requires_grad)
+    set_placement(new, placement)
+    setattr(owner, attr, new)
+    return placement
+
+
+def _sum_grads_over(params: list[torch.Tensor], axis: Axis) -> Callable[[], None]:
+    def finalize() -> None:
+        for p in params:
+            if p.grad is not None:
+                comm.all_reduce(p.grad, axis)
+
+    return finalize
+
+
+def apply_expert_parallel(chunk: nn.Module, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
+    """Shard every MoE layer's experts over mesh.ep and swap in the all-to-all dispatcher.
+
+    Runs on the meta-device model, after tensor parallel and before materialisation. Returns
+    the gradient finalizers the optimizer must run (only with sequence parallel and experts TP
+    left whole: their gradients then come from distinct tokens on each tp rank).
+    """
+    layout = config.layout
+    if config.model.num_experts % mesh.ep.size:
+        raise ValueError(f"{config.model.num_experts} experts do not split over ep={mesh.ep.size}")
+    sequence_split = layout.sequence_parallel and mesh.tp.size > 1
+    finalizers: list[Callable[[], None]] = []
+    for layer, moe in chunk.moe_layers().items():
+        prefix = f"layers.{layer}.mlp.experts."
+        placements = [_shard_expert_weight(moe.experts, a, prefix + a, mesh) for a in ("gate", "up", "down")]
+        tp_split = _is_tp_split(placements[0], mesh.tp.size)
+        moe.dispatcher = ExpertParallelDispatcher(mesh.ep, mesh.tp, moe.num_experts, tp_split, sequence_split)
+        if sequence_split and not tp_split:
+            finalizers.append(_sum_grads_over([moe.experts.gate, moe.experts.up, moe.experts.down], mesh.tp))
+    if sequence_split and any(m.token_stats_reduce is None for m in chunk.moe_layers().values()):
+        install_sequence_split_hooks(chunk, mesh, ("tp",))
+    return finalizers
+
+
+def moe_dispatchers(chunks: Sequence[nn.Module]) -> dict[str, ExpertParallelDispatcher]:
+    """The expert-parallel dispatchers of the MoE layers in `chunks`, by layer name."""
+    out = {}
+    for chunk in chunks:
+        for name, moe in chunk.moe_layers().items():
+            if isinstance(moe.dispatcher, ExpertParallelDispatcher):
+                out[name] = moe.dispatcher
+    return out
+
+
+__all__ = [
+    "ExpertParallelDispatcher", "all_to_all_wire_bytes", "apply_expert_parallel", "chunk_capacity_offsets",
+    "dispatch_order", "install_sequence_split_hooks", "inverse_permutation", "moe_dispatchers", "rank_splits",
+    "regroup_by_local_expert", "sequence_split_hooks", "unpermute",
+]
