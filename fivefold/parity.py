@@ -4,11 +4,13 @@ The reference is the same config with the trivial layout. A parity check compare
 of every step and every parameter at the end, gathered to full tensors (DESIGN.md):
 per-step loss within rtol=1e-5, atol=1e-6; parameters within PARAM_ATOL + PARAM_RTOL * |ref|.
 
-The parameter bound is stated, not tuned: Adam divides each gradient by the root of its
-own running square, so a rounding-level difference in a gradient (from summing in another
-order across ranks) becomes a relative difference of the same order in the update, i.e.
-about lr * 1e-6 per step; after K steps of lr <= 1e-2 that stays below 1e-6 absolute for
-ordinary elements. The bound allows 1e-5.
+The parameter bound is stated, not tuned. Gradients differ between layouts by rounding
+(sums over ranks run in another order), about 1e-7 relative. Adam turns a gradient error
+dg into an update error of about lr * dg / (sqrt(v) + eps): small for ordinary elements, but
+at elements whose gradient is itself near zero the slope is lr / eps. The test presets
+(tiny, tiny-moe) therefore use eps = 1e-6, which bounds that amplification to about
+lr * 1e-11 / 1e-6 = 1e-7 per step at lr = 1e-2; over a few steps parameters then agree
+within PARAM_ATOL = 1e-5 (plus PARAM_RTOL = 1e-4 relative), with an order of magnitude to spare.
 """
 
 from __future__ import annotations
