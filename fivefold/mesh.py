@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .config import Layout
 from .layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
 
-AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "world")
+AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
 
 
 @dataclass
@@ -161,7 +161,7 @@ class Mesh:
         stats = CommStats()
         rank = dist.get_rank()
         axes = {name: _axis_from_mesh(device_mesh, name, stats) for name in ("pp", "dp", "cp", "tp")}
-        for name in ("dp_cp", "ep", "edp"):
+        for name in ("dp_cp", "ep", "edp", "pp_ends"):
             axes[name] = _derived_axis(layout, name, rank, stats)
         axes["world"] = Axis("world", dist.group.WORLD, world, rank, list(range(world)), stats)
         return cls(layout, axes, device_mesh, stats)
