@@ -15,6 +15,7 @@ from .data import Sampler, load_tokenizer, load_tokens
 from .layout import validate
 from .mesh import Mesh, device_for
 from .parallel.sharding import full_shapes, gather_full_state
+from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
 
@@ -87,10 +88,12 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
     if is_main:
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     records = []
+    traced_step = min(2, config.train.steps - 1) if config.train.trace else -1  # after warm-up
     with _progress(is_main and show_progress, config.train.steps) as progress:
         task = progress.add_task("train", total=config.train.steps, loss=float("nan"), tps=0.0)
         for step in range(config.train.steps):
-            result = train_step(model, sampler, step)
+            with trace_step(model, run_dir, enabled=step == traced_step):
+                result = train_step(model, sampler, step)
             record = step_record(result)
             if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:
                 record["val_loss"] = evaluate(model, data, config.train.eval_batches)

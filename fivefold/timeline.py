@@ -174,7 +174,7 @@ def draw_gantt(rows: list[list[Event]], path: str | Path, title: str = "") -> Pa
     ax.set_xlabel("ms since step start")
     ax.set_title(title or f"pipeline step, bubble {bubble_fraction(rows):.1%}")
     used = sorted({e.kind for row in rows for e in row}, key=KINDS.index)
-    ax.legend(handles=[Patch(color=_COLOURS[k], label=_NAMES[k]) for k in used], loc="upper right", fontsize=8)
+    ax.legend(handles=[Patch(color=_COLOURS[k], label=_NAMES[k]) for k in used], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
