@@ -169,16 +169,15 @@ def test_parity_every_schedule_and_microbatch_count(pools, reference, pp):
         _check_parity(pools, reference, overrides)
 
 
-def test_parity_tied_embeddings_moe_and_bf16(pools, reference):
+def test_parity_tied_embeddings_and_moe(pools, reference):
     for overrides in [
         ["model.tied_embeddings=true", "layout.pp=4", "layout.grad_accum=4", "layout.pp_schedule=1f1b"],
         ["model.tied_embeddings=true", "layout.pp=4", "layout.vpp=2", "model.layers=8",
          "layout.pp_schedule=interleaved", "layout.grad_accum=4"],
     ]:
         _check_parity(pools, reference, overrides)
-    for name in ("1f1b", "zb-h1"):
-        overrides = ["layout.pp=4", "layout.grad_accum=4", f"layout.pp_schedule={name}"]
-        _check_parity(pools, reference, overrides, preset="tiny-moe")
+    overrides = ["layout.pp=2", "layout.grad_accum=4", "layout.pp_schedule=zb-h1"]  # aux losses on both stages
+    _check_parity(pools, reference, overrides, preset="tiny-moe")
 
 
 def _missing(module: str) -> bool:

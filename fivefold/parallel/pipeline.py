@@ -206,6 +206,7 @@ class _StepState:
     acts: dict = field(default_factory=dict)  # received activations
     grads: dict = field(default_factory=dict)  # received output gradients
     input_grads: dict = field(default_factory=dict)  # gradients to send back
+    pending_sends: list = field(default_factory=list)  # (work, output to free or None)
     live_bytes: int = 0
     peak_bytes: int = 0
     peak_units: int = 0
@@ -278,6 +279,8 @@ class PipelineRunner:
         return _StepState(list(micro_batches), zero.clone(), zero.clone())
 
     def _finish(self, st: _StepState) -> None:
+        with self._record("comm", Action(K.SEND_ACT, -1)):
+            self._complete_sends(st, wait=True)
         if self.timeline is not None:
             self.timeline.stop()
         left = {k: len(v) for k, v in (("units", st.units), ("acts", st.acts), ("grads", st.grads),
@@ -395,24 +398,47 @@ class PipelineRunner:
                            device=inputs.device)
 
     def _communicate(self, step: tuple[Action, ...], st: _StepState, training: bool) -> None:
+        """Post one batch; wait for its receives. Sends complete in the background: a send
+        never has to wait for the peer to reach its matching receive, and a sent output is
+        freed once its send is done."""
         sends, recvs, sent_outputs = [], [], []
         for a in step:
             key = (a.microbatch, a.chunk)
             if a.kind is K.SEND_ACT:
                 unit = st.units[key] if training else st.units.pop(key)
                 sends.append((unit.output.detach(), a.peer))
-                sent_outputs.append(unit.output)
+                sent_outputs.append(unit.output if training else None)
             elif a.kind is K.SEND_GRAD:
                 sends.append((st.input_grads.pop(key), a.peer))
+                sent_outputs.append(None)
             else:
                 buffer = self._boundary(st, a.microbatch)
                 (st.acts if a.kind is K.RECV_ACT else st.grads)[key] = buffer
                 recvs.append((buffer, a.peer))
-        for work in comm.send_recv(self.mesh.pp, sends, recvs):
-            work.wait()
-        if training:
-            for output in sent_outputs:
+        works = comm.send_recv(self.mesh.pp, sends, recvs)
+        if len(works) != len(sends) + len(recvs):  # one handle for a coalesced batch (NCCL)
+            st.pending_sends += [(work, None) for work in works]
+            self._complete_sends(st, wait=True)
+            for output in filter(None, sent_outputs):
                 release_storage(output)
+            return
+        st.pending_sends += list(zip(works[: len(sends)], sent_outputs))
+        for work in works[len(sends) :]:
+            work.wait()
+        self._complete_sends(st, wait=False)
+
+    def _complete_sends(self, st: _StepState, wait: bool) -> None:
+        """Free the outputs whose sends are done (all of them, waiting, when `wait`)."""
+        pending = []
+        for work, output in st.pending_sends:
+            if wait:
+                work.wait()
+            elif not work.is_completed():
+                pending.append((work, output))
+                continue
+            if output is not None:
+                release_storage(output)
+        st.pending_sends = pending
 
 
 def _synced_actions(row: list[Action]) -> set[tuple[ActionKind, int, int]]:
