@@ -2,7 +2,8 @@
 
 `Mesh` wraps torch's `DeviceMesh` (dims pp, dp, cp, tp) and adds the derived groups:
 `dp_cp` (gradients of non-expert parameters are averaged over it), `ep` (experts are
-sharded over it) and `edp` (expert data parallel: replicas of the same experts). Nothing
+sharded over it), `edp` (expert data parallel: replicas of the same experts) and `pp_ends`
+(the first and last pipeline ranks, which both hold a tied embedding). Nothing
 here is global: whoever needs a group is handed the mesh or one of its axes.
 
 A single-process mesh (`Mesh.single()`) has every axis of size 1 and needs no
