@@ -62,7 +62,11 @@ def edp_index(coords: Coords, layout: Layout) -> int:
 
 
 def group_ranks(layout: Layout, axis: str) -> list[list[int]]:
-    """Every group of global ranks along `axis` (pp, dp, cp, tp, dp_cp, ep, edp)."""
+    """Every group of global ranks along `axis` (pp, dp, cp, tp, dp_cp, ep, edp, pp_ends).
+
+    `pp_ends` pairs the first and last pipeline ranks of each (dp, cp, tp) position (they
+    both hold a tied embedding); middle pipeline ranks are groups of one.
+    """
     groups: dict[tuple, list[int]] = {}
     for rank in range(layout.world_size):
         c = rank_to_coords(rank, layout)
@@ -86,6 +90,9 @@ def _group_key(c: Coords, layout: Layout, axis: str) -> tuple:
         return (c.pp, c.tp, edp_index(c, layout))
     if axis == "edp":
         return (c.pp, c.tp, ep_index(c, layout))
+    if axis == "pp_ends":
+        end = c.pp in (0, layout.pp - 1)
+        return (-1 if end else c.pp, c.dp, c.cp, c.tp)
     raise ValueError(f"unknown axis {axis!r}")
 
 

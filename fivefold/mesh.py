@@ -2,7 +2,8 @@
 
 `Mesh` wraps torch's `DeviceMesh` (dims pp, dp, cp, tp) and adds the derived groups:
 `dp_cp` (gradients of non-expert parameters are averaged over it), `ep` (experts are
-sharded over it) and `edp` (expert data parallel: replicas of the same experts). Nothing
+sharded over it), `edp` (expert data parallel: replicas of the same experts) and `pp_ends`
+(the first and last pipeline ranks, which both hold a tied embedding). Nothing
 here is global: whoever needs a group is handed the mesh or one of its axes.
 
 A single-process mesh (`Mesh.single()`) has every axis of size 1 and needs no
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from .config import Layout
 from .layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
 
-AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "world")
+AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
 
 
 @dataclass
@@ -161,7 +162,7 @@ class Mesh:
         stats = CommStats()
         rank = dist.get_rank()
         axes = {name: _axis_from_mesh(device_mesh, name, stats) for name in ("pp", "dp", "cp", "tp")}
-        for name in ("dp_cp", "ep", "edp"):
+        for name in ("dp_cp", "ep", "edp", "pp_ends"):
             axes[name] = _derived_axis(layout, name, rank, stats)
         axes["world"] = Axis("world", dist.group.WORLD, world, rank, list(range(world)), stats)
         return cls(layout, axes, device_mesh, stats)

@@ -15,6 +15,7 @@ from .data import Sampler, TokenData, load_tokenizer, load_tokens
 from .layout import validate
 from .mesh import Mesh, device_for
 from .parallel.sharding import full_shapes, gather_full_state
+from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
 
@@ -110,8 +111,10 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
     records, stop, stopping = [], StopRequest(), False
     task = progress.add_task("train", total=config.train.steps, completed=start, loss=float("nan"), tps=0.0)
     try:
+        traced_step = min(max(start, 2), config.train.steps - 1) if config.train.trace else -1  # after warm-up
         for step in range(start, config.train.steps):
-            result = train_step(model, sampler, step)
+            with trace_step(model, run_dir, enabled=step == traced_step):
+                result = train_step(model, sampler, step)
             record = step_record(result)
             if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:
                 record["val_loss"] = evaluate(model, data, config.train.eval_batches)

@@ -1,0 +1,213 @@
+"""Pipeline schedules: fivefold against torch.distributed.pipelining on the same split model.
+
+Run with one process per pipeline stage, e.g.
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone \
+        --nproc-per-node 4 benchmarks/bench_pp.py --micro-batches 8
+
+Both sides run the same modules (the fivefold stage chunks, same weights, same layers per
+stage) on the same global batch; one case = forward + backward of every micro-batch. The
+cases alternate in one run (fivefold.bench.alternate) and the table reports the median of
+per-round time ratios against torch's GPipe. The bubble of each case is measured, not
+modelled: every rank records when it computes (fivefold's timeline; autograd markers
+around torch's stage modules) and bubble = 1 - sum(busy) / (stages x step time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fivefold.bench import alternate, compare, print_table, write_json
+from fivefold.config import load_config
+from fivefold.data import Sampler, load_tokenizer, load_tokens
+from fivefold.layout import validate
+from fivefold.mesh import Mesh
+from fivefold.parallel import comm
+from fivefold.parallel.schedules import stage_of
+from fivefold.parallelize import cross_entropy_sum
+from fivefold.timeline import Timeline, bubble_formula, busy_seconds
+from fivefold.train import build, local_micro_batches
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+
+class _Busy:
+    """Compute time of one rank: forward spans from module hooks, backward from autograd markers."""
+
+    def __init__(self) -> None:
+        self.seconds, self.started = 0.0, None
+
+    def begin(self) -> None:
+        self.started = time.perf_counter()
+
+    def end(self) -> None:
+        if self.started is not None:
+            self.seconds += time.perf_counter() - self.started
+            self.started = None
+
+
+class _BackwardBegins(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, busy):
+        ctx.busy = busy
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.busy.begin()
+        return grad, None
+
+
+class _BackwardEnds(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, busy):
+        ctx.busy = busy
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.busy.end()
+        return grad, None
+
+
+class TorchStageModule(nn.Module):
+    """A fivefold chunk as torch.distributed.pipelining wants it: one tensor in, one out."""
+
+    def __init__(self, chunk: nn.Module, positions: torch.Tensor, busy: _Busy) -> None:
+        super().__init__()
+        self.chunk, self.busy = chunk, busy
+        self.register_buffer("positions", positions, persistent=False)
+        if chunk.embed is not None:  # the first stage's backward ends at the embedding output
+            chunk.embed.register_forward_hook(lambda m, i, out: _BackwardEnds.apply(out, busy))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.busy.begin()
+        if x.is_floating_point():
+            x = _BackwardEnds.apply(x, self.busy)
+        out, _ = self.chunk(x, self.positions)
+        self.busy.end()
+        return _BackwardBegins.apply(out, self.busy)
+
+
+def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict) -> dict:
+    """Two cases per schedule: fivefold's runner and torch's schedule over the same chunks."""
+    from torch.distributed import pipelining
+
+    train = config.train
+    scale = 1.0 / (train.global_batch * train.seq_len)
+    cases = {}
+    for name in schedules:
+        vpp = 2 if name == "interleaved" else 1
+        layout = dataclasses.replace(config.layout, pp_schedule=name, vpp=vpp)
+        cfg = validate(config.replace(layout=layout), mesh.world_size)
+        model = build(cfg, mesh, torch.device("cpu"))
+        micro = local_micro_batches(model, batch, 0)
+        busy = _Busy()
+        stages = [
+            pipelining.PipelineStage(
+                TorchStageModule(chunk, micro[0].positions, busy), stage_of(mesh.pp.rank, c, mesh.pp.size),
+                mesh.pp.size * vpp, torch.device("cpu"), group=mesh.pp.group,
+            )
+            for c, chunk in enumerate(model.chunks)
+        ]
+        schedule_class = getattr(pipelining, TORCH_SCHEDULES[name])
+        loss = lambda logits, target: cross_entropy_sum(logits, target) * scale  # noqa: E731
+        schedule = schedule_class(stages if vpp > 1 else stages[0], len(micro), loss_fn=loss, scale_grads=False)
+        inputs = torch.cat([mb.inputs for mb in micro])
+        targets = torch.cat([mb.targets for mb in micro])
+
+        def ours(model=model, micro=micro):
+            model.runner.run(micro)
+            model.optimizer.zero_grad()
+
+        def theirs(model=model, schedule=schedule, inputs=inputs, targets=targets, first=mesh.pp.rank == 0,
+                   last=mesh.pp.rank == mesh.pp.size - 1):
+            args = (inputs,) if first else ()
+            schedule.step(*args, target=targets if last else None, return_outputs=False)
+            model.optimizer.zero_grad()
+
+        cases[f"fivefold {name}"] = ours
+        cases[f"torch {name}"] = theirs
+        measured[name] = (model, micro, busy, ours, theirs)
+    return cases
+
+
+def _bubble(busy: float, span: float, axis) -> float:
+    """1 - sum of busy time / (stages x the longest step), over the pipeline ranks."""
+    values = torch.tensor([busy, span], dtype=torch.float64)
+    spans = values[1:].clone()
+    comm.all_reduce(values[:1], axis)
+    comm.all_reduce(spans, axis, op="max")
+    return 1.0 - float(values[0]) / (axis.size * float(spans[0]))
+
+
+def measure_bubbles(measured: dict, mesh: Mesh, repeats: int = 3) -> dict:
+    """Median measured bubble of each case over a few untimed steps."""
+    out = {}
+    for name, (model, micro, busy, ours, theirs) in measured.items():
+        ff, tt = [], []
+        for _ in range(repeats):
+            model.runner.timeline = Timeline()
+            comm.all_reduce(torch.zeros(1), mesh.pp)
+            ours()
+            timeline, model.runner.timeline = model.runner.timeline, None
+            ff.append(_bubble(busy_seconds(timeline.events), timeline.span, mesh.pp))
+            comm.all_reduce(torch.zeros(1), mesh.pp)
+            busy.seconds, start = 0.0, time.perf_counter()
+            theirs()
+            tt.append(_bubble(busy.seconds, time.perf_counter() - start, mesh.pp))
+        out[name] = (sorted(ff)[repeats // 2], sorted(tt)[repeats // 2])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="small")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    parser.add_argument("--json", default="")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.seq_len=64")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    pp = dist.get_world_size()
+    config = load_config(args.config, [f"layout.pp={pp}", f"layout.grad_accum={args.micro_batches}", *args.overrides])
+    mesh = Mesh.build(validate(config, pp).layout)
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    batch = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    measured: dict = {}
+    cases = build_cases(config, mesh, batch, args.schedules.split(","), measured)
+    results = alternate(cases, warmup=args.warmup, rounds=args.rounds, sync=dist.barrier)
+    bubbles = measure_bubbles(measured, mesh)
+    meta = {"pp": pp, "micro_batches": args.micro_batches, "config": args.config, "overrides": args.overrides}
+    for name, (ours, theirs) in bubbles.items():
+        vpp = 2 if name == "interleaved" else 1
+        meta[f"bubble {name}"] = {"fivefold": ours, "torch": theirs,
+                                  "formula": bubble_formula(name, pp, args.micro_batches, vpp)}
+    first = args.schedules.split(",")[0]
+    comparison = compare(f"pipeline schedules, pp={pp}, m={args.micro_batches}", results, f"torch {first}", meta)
+    if mesh.rank == 0:
+        print_table(comparison)
+        for name in bubbles:
+            b = meta[f"bubble {name}"]
+            pairs = zip(results[f"fivefold {name}"].seconds, results[f"torch {name}"].seconds)
+            ratio = statistics.median(a / b for a, b in pairs)
+            meta[f"bubble {name}"]["time_ratio_fivefold_over_torch"] = ratio
+            print(f"{name:12s} time fivefold/torch {ratio:.3f}   bubble fivefold {b['fivefold']:.1%}  "
+                  f"torch {b['torch']:.1%}  formula {b['formula']:.1%}")
+        path = args.json or os.path.join("runs", f"bench_pp_pp{pp}.json")
+        print(f"wrote {write_json([comparison], path)}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

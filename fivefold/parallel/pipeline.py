@@ -1,0 +1,455 @@
+"""Pipeline parallelism: the stage split and one executor for every schedule table.
+
+Stage split
+    The model is cut into pp x vpp virtual stages of consecutive layers; stage 0 also holds
+    the embedding and the last stage the final norm, the head and the loss. Without an
+    explicit `layout.pp_layers`, the cut minimises the most expensive stage under a cost
+    estimate (multiply-adds per token of each block, plus the head on the last stage).
+    Virtual stage s lives on pipeline rank s % pp as its chunk s // pp (schedules.stage_of),
+    so with vpp > 1 a rank holds vpp chunks that are not adjacent in the model.
+
+Executor
+    `PipelineRunner` walks this rank's list of a table from `schedules.py`: compute actions
+    run on the local chunk, each run of communication actions is one batched
+    point-to-point call. A stage output is freed as soon as it has been sent (its autograd
+    node stays, which is all backward needs) and backward starts from it with the gradient
+    received from the next stage.
+
+Gradients and the loss
+    Every micro-batch's loss is CE_sum / (global_batch x seq_len) + aux / global_batch, as in
+    `train.forward_backward`, so the sum over micro-batches and data-parallel ranks is the
+    single-process loss. Data-parallel reduction happens once per step: every action runs
+    under the optimizer's `no_sync()` except the forward and the weight-gradient backward of
+    each chunk's last micro-batch, which let the reduction start (and overlap) there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+import torch
+
+from ..config import Config, ModelConfig
+from ..mesh import Mesh
+from ..model import Transformer
+from . import comm
+from .schedules import Action, ActionKind, build_schedule, group_steps, stage_of
+from .sharding import get_placement, set_placement
+
+K = ActionKind
+TIED_AXIS = "pp_ends"  # the first and last pipeline ranks, which both hold the tied embedding
+
+
+# ------------------------------------------------------------------------------ stage split
+
+
+def layer_cost(model: ModelConfig, index: int, seq_len: int) -> float:
+    """Forward multiply-adds per token of block `index`; only the ratios between stages matter."""
+    h, hd = model.hidden, model.head_dim
+    projections = 2 * h * model.heads * hd + 2 * h * model.n_kv_heads * hd
+    scores = seq_len * model.heads * hd  # QK^T and AV, half of each under the causal mask
+    if model.is_moe_layer(index):
+        mlp = h * model.num_experts + (model.top_k + model.shared_experts) * 3 * h * model.expert_ffn
+    else:
+        mlp = 3 * h * model.ffn
+    return float(projections + scores + mlp)
+
+
+def head_cost(model: ModelConfig) -> float:
+    """The output projection and the loss, per token (the embedding lookup is nearly free)."""
+    return float(model.hidden * model.vocab_size + model.vocab_size)
+
+
+def balanced_counts(costs: list[float], stages: int, last_extra: float = 0.0) -> list[int]:
+    """Layers per stage, consecutive, at least one each, minimising the costliest stage.
+
+    `last_extra` is added to the last stage. Ties are broken by the sum of squared stage
+    costs, so the load is spread as evenly as the bottleneck allows.
+    """
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {stages} stages of at least one layer")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: (max, sum of squares, cut) for the first i layers in s stages
+    inf = (float("inf"), float("inf"), 0)
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0, 0)
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                cost = prefix[i] - prefix[j] + (last_extra if s == stages else 0.0)
+                prev = best[s - 1][j]
+                candidate = (max(prev[0], cost), prev[1] + cost * cost, j)
+                if candidate[:2] < best[s][i][:2]:
+                    best[s][i] = candidate
+    counts, i = [], n
+    for s in range(stages, 0, -1):
+        j = best[s][i][2]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def stage_layer_counts(config: Config) -> list[int]:
+    """Layers of each virtual stage: `layout.pp_layers` if given, else the balanced cut."""
+    layout, model = config.layout, config.model
+    if layout.pp_layers:
+        return list(layout.pp_layers)
+    costs = [layer_cost(model, i, config.train.seq_len) for i in range(model.layers)]
+    return balanced_counts(costs, layout.pp * layout.vpp, head_cost(model))
+
+
+def stage_layer_ids(config: Config) -> list[list[int]]:
+    """Global layer indices of every virtual stage, in model order."""
+    ids, start = [], 0
+    for count in stage_layer_counts(config):
+        ids.append(list(range(start, start + count)))
+        start += count
+    return ids
+
+
+def build_stage_chunks(config: Config, mesh: Mesh) -> list[Transformer]:
+    """This rank's model chunks, on the meta device: chunk c is virtual stage c * pp + rank."""
+    layout = config.layout
+    ids = stage_layer_ids(config)
+    last = len(ids) - 1
+    chunks = []
+    for c in range(layout.vpp):
+        stage = stage_of(mesh.pp.rank, c, layout.pp)
+        with torch.device("meta"):
+            chunk = Transformer(config.model, layer_ids=ids[stage], with_embedding=stage == 0, with_head=stage == last)
+        chunks.append(chunk)
+    mark_tied_copies(chunks, config.model)
+    return chunks
+
+
+def tied_copies(chunks: list[Transformer], model: ModelConfig) -> list[torch.Tensor]:
+    """The local copies of a tied embedding: embed.weight on stage 0, head.weight on the last."""
+    if not model.tied_embeddings:
+        return []
+    held = [chunk.embed.weight for chunk in chunks if chunk.embed is not None]
+    return held + [chunk.head.weight for chunk in chunks if chunk.head is not None]
+
+
+def mark_tied_copies(chunks: list[Transformer], model: ModelConfig) -> None:
+    """Both copies are the one full tensor embed.weight, replicated over the pp ends.
+
+    Idempotent, and keeps whatever split another strategy (vocab-parallel tp) recorded.
+    """
+    for param in tied_copies(chunks, model):
+        placement = get_placement(param, "embed.weight")
+        over = placement.replicated_over + (() if TIED_AXIS in placement.replicated_over else (TIED_AXIS,))
+        set_placement(param, replace(placement, name="embed.weight", replicated_over=over))
+
+
+def tied_gradient_finalizer(chunks: list[Transformer], mesh: Mesh, model: ModelConfig):
+    """Sum the gradients of the two tied copies over the first and last pipeline ranks."""
+    copies = tied_copies(chunks, model)
+    if not copies or mesh[TIED_AXIS].size == 1:
+        return None
+
+    def finalize() -> None:
+        for param in copies:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            comm.all_reduce(param.grad, mesh[TIED_AXIS])
+
+    return finalize
+
+
+# ---------------------------------------------------------------------------------- runner
+
+
+def forward_only(actions: list[Action]) -> list[Action]:
+    """A rank's list without backward work: what evaluation runs.
+
+    Dropping the backward computes and gradient transfers keeps the one global order of
+    the remaining transfers, so the shorter table cannot deadlock either.
+    """
+    keep = (K.FORWARD, K.SEND_ACT, K.RECV_ACT)
+    return [a for a in actions if a.kind in keep]
+
+
+def release_storage(tensor: torch.Tensor) -> None:
+    """Free a sent stage output but keep its autograd node.
+
+    The data becomes one element broadcast to the old shape, so `torch.autograd.backward`
+    still accepts it with a gradient of the real shape. Safe because nothing in autograd
+    saved this tensor: a chunk ends with a residual addition.
+    """
+    tensor.data = torch.empty((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+
+
+@dataclass
+class _Unit:
+    """One (micro-batch, chunk) between its forward and the end of its backward."""
+
+    input: torch.Tensor | None  # received activation (requires grad); None on stage 0
+    heads: list[torch.Tensor]  # what backward starts from: the stage output or the loss, then aux
+    output: torch.Tensor | None  # the stage output to send; None on the last stage
+    saved_bytes: int = 0
+    output_grads: list | None = None  # kept by BACKWARD_INPUT for BACKWARD_WEIGHT
+
+
+@dataclass
+class _StepState:
+    """Buffers of one run of a table, keyed by (micro-batch, chunk)."""
+
+    micro_batches: list
+    loss_sum: torch.Tensor
+    aux_sum: torch.Tensor
+    units: dict = field(default_factory=dict)
+    acts: dict = field(default_factory=dict)  # received activations
+    grads: dict = field(default_factory=dict)  # received output gradients
+    input_grads: dict = field(default_factory=dict)  # gradients to send back
+    pending_sends: list = field(default_factory=list)  # (work, output to free or None)
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    peak_units: int = 0
+
+
+@dataclass
+class StepMemory:
+    """Activation memory of this rank's last step: units alive at once and their saved bytes."""
+
+    peak_units: int
+    peak_saved_bytes: int  # 0 unless `measure_memory` was set
+
+
+class PipelineRunner:
+    """Runs this rank's list of the configured schedule for one step (or evaluation)."""
+
+    def __init__(self, model) -> None:
+        config, mesh = model.config, model.mesh
+        layout = config.layout
+        self.model, self.config, self.mesh = model, config, mesh
+        self.chunks: list[Transformer] = model.chunks
+        self.pp, self.vpp, self.rank = layout.pp, layout.vpp, mesh.pp.rank
+        self.num_microbatches = layout.grad_accum
+        self.last_stage = layout.pp * layout.vpp - 1
+        row = build_schedule(layout.pp_schedule, layout.pp, layout.grad_accum, layout.vpp)[self.rank]
+        self.steps = group_steps(row)
+        self.eval_steps = group_steps(forward_only(row))
+        self.synced = _synced_actions(row)
+        self.boundary_dtype = torch.float32  # the residual stream stays fp32 under autocast
+        self.sp_factor = layout.tp if layout.sequence_parallel else 1
+        self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
+        self.timeline = None  # a fivefold.timeline.Timeline to record the next steps
+        self.measure_memory = False
+        self.memory = StepMemory(0, 0)
+        mark_tied_copies(self.chunks, config.model)
+        finalize = tied_gradient_finalizer(self.chunks, mesh, config.model)
+        if finalize is not None:
+            model.optimizer.grad_finalizers.append(finalize)
+
+    # ----------------------------------------------------------------- public entry points
+
+    def run(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of every micro-batch. Returns this rank's (CE sum, aux sum)."""
+        st = self._start(micro_batches)
+        self._execute(self.steps, st, training=True)
+        self._finish(st)
+        return st.loss_sum.cpu(), st.aux_sum.cpu()
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list) -> torch.Tensor:
+        """Forward only; returns the CE sum on the last stage (zero elsewhere)."""
+        st = self._start(micro_batches)
+        self._execute(self.eval_steps, st, training=False)
+        self._finish(st)
+        return st.loss_sum.cpu()
+
+    # -------------------------------------------------------------------------- execution
+
+    def _start(self, micro_batches: list) -> _StepState:
+        if len(micro_batches) != self.num_microbatches:
+            raise ValueError(
+                f"the pipeline schedule was built for {self.num_microbatches} micro-batches "
+                f"(layout.grad_accum), got {len(micro_batches)}"
+            )
+        device = self.model.extras.get("device", torch.device("cpu"))
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        if self.timeline is not None:
+            comm.all_reduce(torch.zeros(1), self.mesh.pp)  # line the stages up: a common time zero
+            self.timeline.start()
+        return _StepState(list(micro_batches), zero.clone(), zero.clone())
+
+    def _finish(self, st: _StepState) -> None:
+        with self._record("comm", Action(K.SEND_ACT, -1)):
+            self._complete_sends(st, wait=True)
+        if self.timeline is not None:
+            self.timeline.stop()
+        left = {k: len(v) for k, v in (("units", st.units), ("acts", st.acts), ("grads", st.grads),
+                                       ("input_grads", st.input_grads)) if v}
+        if left:
+            raise RuntimeError(f"pipeline rank {self.rank}: buffers left after the schedule: {left}")
+        self.memory = StepMemory(st.peak_units, st.peak_bytes)
+
+    def _execute(self, steps: list[tuple[Action, ...]], st: _StepState, training: bool) -> None:
+        for step in steps:
+            first = step[0]
+            if first.kind.is_comm:
+                with self._record("comm", first):
+                    self._communicate(step, st, training)
+                continue
+            with self._record(first.kind.value, first), self._sync_context(first, training):
+                if first.kind is K.FORWARD:
+                    self._forward(first, st, training)
+                else:
+                    self._backward(first, st)
+
+    def _record(self, kind: str, action: Action) -> contextlib.AbstractContextManager:
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.record(kind, action.microbatch, action.chunk)
+
+    def _sync_context(self, action: Action, training: bool) -> contextlib.AbstractContextManager:
+        if not training or (action.kind, action.microbatch, action.chunk) in self.synced:
+            return contextlib.nullcontext()
+        return self.model.optimizer.no_sync()
+
+    # --------------------------------------------------------------------------- compute
+
+    def _forward(self, action: Action, st: _StepState, training: bool) -> None:
+        from ..train import autocast_for
+
+        key, chunk = (action.microbatch, action.chunk), self.chunks[action.chunk]
+        stage = stage_of(self.rank, action.chunk, self.pp)
+        batch = st.micro_batches[action.microbatch]
+        x = batch.inputs if stage == 0 else st.acts.pop(key)
+        if stage > 0 and training:
+            x.requires_grad_()
+        device = self.model.extras.get("device", torch.device("cpu"))
+        train = self.config.train
+        with self._count_saved(chunk) as saved, autocast_for(self.config, device):
+            out, aux = chunk(x, batch.positions)
+            ce = self.model.loss_fn(out, batch.targets) if stage == self.last_stage else None
+        if ce is not None:
+            st.loss_sum += ce.detach().double()
+        if aux is not None:
+            st.aux_sum += aux.detach().double()
+        if not training:
+            if ce is None:
+                st.units[key] = _Unit(None, [], out.to(self.boundary_dtype))
+            return
+        aux_loss = [aux / train.global_batch] if aux is not None else []
+        if ce is not None:
+            loss = ce / (train.global_batch * train.seq_len)
+            heads, output = [loss + aux_loss[0] if aux_loss else loss], None
+        else:
+            output = out.to(self.boundary_dtype)
+            heads = [output] + aux_loss
+        st.units[key] = _Unit(x if stage > 0 else None, heads, output, saved[0])
+        st.live_bytes += saved[0]
+        st.peak_bytes = max(st.peak_bytes, st.live_bytes)
+        st.peak_units = max(st.peak_units, len(st.units))
+
+    def _backward(self, action: Action, st: _StepState) -> None:
+        key = (action.microbatch, action.chunk)
+        unit = st.units[key]
+        if unit.output_grads is None:
+            unit.output_grads = [st.grads.pop(key, None)] + [None] * (len(unit.heads) - 1)
+        if action.kind is K.BACKWARD_INPUT:
+            if unit.input is not None:  # stage 0 has no input gradient: its W does everything
+                (grad,) = torch.autograd.grad(unit.heads, [unit.input], unit.output_grads, retain_graph=True)
+                st.input_grads[key] = grad
+            return
+        if action.kind is K.BACKWARD_WEIGHT:
+            torch.autograd.backward(unit.heads, unit.output_grads, inputs=self.params[action.chunk])
+        else:
+            torch.autograd.backward(unit.heads, unit.output_grads)
+            if unit.input is not None:
+                st.input_grads[key] = unit.input.grad
+        del st.units[key]
+        st.live_bytes -= unit.saved_bytes
+
+    @contextlib.contextmanager
+    def _count_saved(self, chunk: Transformer) -> Iterator[list[int]]:
+        """Bytes autograd saves for backward during a forward (parameters excluded)."""
+        total = [0]
+        if not self.measure_memory or not torch.is_grad_enabled():
+            yield total
+            return
+        weights = {p.data_ptr() for p in chunk.parameters()}
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in weights and ptr not in seen:
+                seen.add(ptr)
+                total[0] += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield total
+
+    # --------------------------------------------------------------------- communication
+
+    def _boundary(self, st: _StepState, microbatch: int) -> torch.Tensor:
+        """An empty stage-boundary tensor (b, t, hidden); sequence parallel splits t over tp."""
+        inputs = st.micro_batches[microbatch].inputs  # (b, t) on every rank
+        b, t = inputs.shape
+        return torch.empty((b, t // self.sp_factor, self.config.model.hidden), dtype=self.boundary_dtype,
+                           device=inputs.device)
+
+    def _communicate(self, step: tuple[Action, ...], st: _StepState, training: bool) -> None:
+        """Post one batch; wait for its receives. Sends complete in the background: a send
+        never has to wait for the peer to reach its matching receive, and a sent output is
+        freed once its send is done."""
+        sends, recvs, sent_outputs = [], [], []
+        for a in step:
+            key = (a.microbatch, a.chunk)
+            if a.kind is K.SEND_ACT:
+                unit = st.units[key] if training else st.units.pop(key)
+                sends.append((unit.output.detach(), a.peer))
+                sent_outputs.append(unit.output if training else None)
+            elif a.kind is K.SEND_GRAD:
+                sends.append((st.input_grads.pop(key), a.peer))
+                sent_outputs.append(None)
+            else:
+                buffer = self._boundary(st, a.microbatch)
+                (st.acts if a.kind is K.RECV_ACT else st.grads)[key] = buffer
+                recvs.append((buffer, a.peer))
+        works = comm.send_recv(self.mesh.pp, sends, recvs)
+        if len(works) != len(sends) + len(recvs):  # one handle for a coalesced batch (NCCL)
+            st.pending_sends += [(work, None) for work in works]
+            self._complete_sends(st, wait=True)
+            for output in filter(None, sent_outputs):
+                release_storage(output)
+            return
+        st.pending_sends += list(zip(works[: len(sends)], sent_outputs))
+        for work in works[len(sends) :]:
+            work.wait()
+        self._complete_sends(st, wait=False)
+
+    def _complete_sends(self, st: _StepState, wait: bool) -> None:
+        """Free the outputs whose sends are done (all of them, waiting, when `wait`)."""
+        pending = []
+        for work, output in st.pending_sends:
+            if wait:
+                work.wait()
+            elif not work.is_completed():
+                pending.append((work, output))
+                continue
+            if output is not None:
+                release_storage(output)
+        st.pending_sends = pending
+
+
+def _synced_actions(row: list[Action]) -> set[tuple[ActionKind, int, int]]:
+    """Actions that run outside `no_sync`: per chunk, the forward and the weight-gradient
+    backward of the last micro-batch whose weight gradient is computed."""
+    last: dict[int, Action] = {}
+    for a in row:
+        if a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+            last[a.chunk] = a
+    synced = set()
+    for chunk, a in last.items():
+        synced.add((a.kind, a.microbatch, chunk))
+        synced.add((K.FORWARD, a.microbatch, chunk))
+    return synced

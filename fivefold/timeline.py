@@ -1,0 +1,211 @@
+"""Per-rank timelines of one training step: record, gather, measure the bubble, draw.
+
+A `Timeline` records when each compute action (forward, backward, ...) of a pipeline stage
+ran, and when the rank waited on point-to-point transfers. Gathered over the pipeline ranks
+it gives the measured bubble (the share of the step a stage is not computing), a Chrome
+trace (chrome://tracing, ui.perfetto.dev) and a Gantt chart with one row per stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+# Event kinds; compute kinds are what counts as busy. The codes travel in a float tensor.
+KINDS = ("F", "B", "I", "W", "comm")
+COMPUTE_KINDS = frozenset({"F", "B", "I", "W"})
+_NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weight)", "comm": "p2p"}
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#937860", "comm": "#cccccc"}
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # one of KINDS
+    microbatch: int
+    chunk: int
+    start: float  # seconds since the start of the step on this rank
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class Timeline:
+    """Records events of one step on one rank; `start()` sets time zero."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.origin = time.perf_counter()
+        self.span = 0.0
+
+    def start(self) -> None:
+        self.events.clear()
+        self.origin = time.perf_counter()
+        self.span = 0.0
+
+    def stop(self) -> None:
+        self.span = time.perf_counter() - self.origin
+
+    @contextlib.contextmanager
+    def record(self, kind: str, microbatch: int, chunk: int) -> Iterator[None]:
+        start = time.perf_counter() - self.origin
+        try:
+            yield
+        finally:
+            self.events.append(Event(kind, microbatch, chunk, start, time.perf_counter() - self.origin))
+
+
+def busy_seconds(events: list[Event]) -> float:
+    return sum(e.seconds for e in events if e.kind in COMPUTE_KINDS)
+
+
+def bubble_fraction(rows: list[list[Event]], span: float | None = None) -> float:
+    """Idle share of the step over all stages: 1 - busy / (stages x step time).
+
+    The step time is the latest end of any event unless given.
+    """
+    if span is None:
+        span = max((e.end for row in rows for e in row), default=0.0)
+    if span <= 0:
+        return 0.0
+    busy = sum(busy_seconds(row) for row in rows)
+    return 1.0 - busy / (span * len(rows))
+
+
+def bubble_formula(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> float:
+    """Idle share of the step the papers predict, with backward = 2 x forward.
+
+    GPipe and 1F1B: (p - 1) / (m + p - 1); interleaved: (p - 1) / (v m + p - 1) (Narayanan et
+    al. 2021); ZB-H1 with F = B = W: (p - 1) / (3 m + p - 1) (Qi et al. 2023).
+    """
+    p, m = pp, num_microbatches
+    if schedule == "interleaved":
+        return (p - 1) / (vpp * m + p - 1)
+    if schedule == "zb-h1":
+        idle = p - 1 if m >= p else 2 * (p - 1) - (m - 1)  # too few W to fill the tail when m < p
+        return idle / (3 * m + idle)
+    return (p - 1) / (m + p - 1)
+
+
+# ------------------------------------------------------------------------------ transport
+
+
+def to_tensor(events: list[Event], rows: int) -> torch.Tensor:
+    """Pack events into a (rows, 5) float64 tensor (kind code, mb, chunk, start, end); -1 pads."""
+    packed = torch.full((rows, 5), -1.0, dtype=torch.float64)
+    for i, e in enumerate(events[:rows]):
+        packed[i] = torch.tensor([KINDS.index(e.kind), e.microbatch, e.chunk, e.start, e.end], dtype=torch.float64)
+    return packed
+
+
+def from_tensor(packed: torch.Tensor) -> list[Event]:
+    return [
+        Event(KINDS[int(k)], int(mb), int(c), float(s), float(e))
+        for k, mb, c, s, e in packed.tolist()
+        if k >= 0
+    ]
+
+
+def gather_rows(timeline: Timeline, axis) -> list[list[Event]]:
+    """Every rank of `axis` (a mesh Axis) gets every rank's events, in axis order."""
+    from .parallel import comm
+
+    count = torch.tensor([float(len(timeline.events))], dtype=torch.float64)
+    comm.all_reduce(count, axis, op="max")
+    packed = to_tensor(timeline.events, int(count.item()))  # (rows, 5)
+    gathered = comm.all_gather(packed, axis, dim=0)  # (size * rows, 5)
+    return [from_tensor(part) for part in gathered.chunk(axis.size, dim=0)]
+
+
+# ------------------------------------------------------------------------------- outputs
+
+
+def chrome_trace(rows: list[list[Event]], row_name: str = "stage") -> dict:
+    """Chrome trace-event JSON: one thread per row, times in microseconds."""
+    events = []
+    for tid, row in enumerate(rows):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": f"{row_name} {tid}"}})
+        for e in row:
+            events.append({
+                "name": f"{e.kind}{e.microbatch}" + (f".{e.chunk}" if e.chunk else ""),
+                "cat": _NAMES[e.kind],
+                "ph": "X",
+                "pid": 0,
+                "tid": tid,
+                "ts": e.start * 1e6,
+                "dur": max(e.seconds, 0.0) * 1e6,
+                "args": {"microbatch": e.microbatch, "chunk": e.chunk},
+            })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(rows: list[list[Event]], path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(rows)))
+    return path
+
+
+def draw_gantt(rows: list[list[Event]], path: str | Path, title: str = "") -> Path:
+    """PNG Gantt chart: one row per stage, forward / backward coloured, gaps are the bubble."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    span = max((e.end for row in rows for e in row), default=1.0)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.5))
+    for y, row in enumerate(rows):
+        for e in row:
+            ax.broken_barh([(e.start * 1e3, e.seconds * 1e3)], (y - 0.4, 0.8), facecolors=_COLOURS[e.kind],
+                           edgecolor="white", linewidth=0.3)
+            if e.kind in COMPUTE_KINDS and e.seconds > span / 80:
+                ax.text((e.start + e.seconds / 2) * 1e3, y, str(e.microbatch), ha="center", va="center",
+                        fontsize=7, color="white")
+    ax.set_yticks(range(len(rows)), [f"stage {i}" for i in range(len(rows))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since step start")
+    ax.set_title(title or f"pipeline step, bubble {bubble_fraction(rows):.1%}")
+    used = sorted({e.kind for row in rows for e in row}, key=KINDS.index)
+    ax.legend(handles=[Patch(color=_COLOURS[k], label=_NAMES[k]) for k in used], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@contextlib.contextmanager
+def trace_step(model, run_dir: Path, enabled: bool) -> Iterator[None]:
+    """Record the pipeline timeline of the step run inside; rank 0 writes timeline.png and trace.json.
+
+    Rows are the pipeline stages of the first (dp, cp, tp) replica. Needs a pipeline (pp > 1).
+    """
+    runner = getattr(model, "runner", None)
+    if not enabled or runner is None:
+        if enabled and model.mesh.rank == 0:
+            print("train.trace records pipeline stages; nothing to trace with pp=1")
+        yield
+        return
+    runner.timeline = Timeline()
+    try:
+        yield
+    finally:
+        timeline, runner.timeline = runner.timeline, None
+    rows = gather_rows(timeline, model.mesh.pp)
+    if model.mesh.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        layout = model.config.layout
+        title = (f"{layout.pp_schedule}, pp={layout.pp}, vpp={layout.vpp}, m={layout.grad_accum}: "
+                 f"bubble {bubble_fraction(rows):.1%} (formula "
+                 f"{bubble_formula(layout.pp_schedule, layout.pp, layout.grad_accum, layout.vpp):.1%})")
+        draw_gantt(rows, run_dir / "timeline.png", title)
+        write_chrome_trace(rows, run_dir / "trace.json")
+        print(f"timeline of one step: {run_dir / 'timeline.png'}, {run_dir / 'trace.json'}")

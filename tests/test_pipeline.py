@@ -1,0 +1,257 @@
+"""Pipeline parallelism: stage split, executor parity with the single process, memory, timeline."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from fivefold.config import load_config
+from fivefold.layout import LayoutError, validate
+from fivefold.parallel.pipeline import (
+    balanced_counts,
+    forward_only,
+    layer_cost,
+    release_storage,
+    stage_layer_ids,
+)
+from fivefold.parallel.schedules import build_schedule, simulate
+from fivefold.timeline import Event, bubble_formula, bubble_fraction, chrome_trace, draw_gantt
+from fivefold.parity import assert_parity
+from helpers import layout_parity, trace_on_rank
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def _config(preset: str = "tiny", **layout) -> object:
+    return load_config(preset, [f"layout.{k}={v}" for k, v in layout.items()])
+
+
+# --------------------------------------------------------------------------- pure logic
+
+
+def test_balanced_split_puts_fewer_layers_next_to_a_costly_head():
+    assert balanced_counts([1.0] * 8, 4) == [2, 2, 2, 2]
+    assert balanced_counts([1.0] * 8, 2, last_extra=2.0) == [5, 3]
+    assert balanced_counts([1.0] * 4, 4, last_extra=9.0) == [1, 1, 1, 1]  # at least one layer each
+    assert balanced_counts([3.0, 1.0, 1.0, 1.0], 2) == [1, 3]
+
+
+def test_stage_layers_cover_the_model_in_order():
+    config = validate(_config(pp=2))
+    assert stage_layer_ids(config) == [[0, 1], [2, 3]]
+    config = validate(_config("small", pp=2, vpp=2, pp_schedule="interleaved", grad_accum=4))
+    ids = stage_layer_ids(config)
+    assert [i for stage in ids for i in stage] == list(range(8)) and len(ids) == 4
+    config = validate(_config(pp=2, pp_layers="3,1"))
+    assert stage_layer_ids(config) == [[0, 1, 2], [3]]
+    moe = load_config("tiny-moe").model
+    assert layer_cost(moe, 0, 32) > layer_cost(load_config("tiny").model, 0, 32)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_forward_only_tables_run_without_deadlock(name):
+    for pp, m in [(2, 4), (4, 8), (4, 1)]:
+        vpp = 2 if name == "interleaved" else 1
+        if name == "interleaved" and m % pp:
+            continue
+        table = [forward_only(row) for row in build_schedule(name, pp, m, vpp)]
+        result = simulate(table, pp)
+        assert all(len(t) == m * vpp for t in result.timelines)
+
+
+@pytest.mark.parametrize("name", ("gpipe", "1f1b", "interleaved", "zb-h1"))
+def test_bubble_formula_matches_the_simulated_idle_share(name):
+    for pp, m in [(2, 4), (4, 8), (4, 4)]:
+        vpp = 2 if name == "interleaved" else 1
+        result = simulate(build_schedule(name, pp, m, vpp), pp, f_time=1.0, b_time=2.0)
+        expected = bubble_formula(name, pp, m, vpp)
+        # the idle share of the busiest rank equals the paper's bubble
+        assert 1 - result.ideal / result.makespan == pytest.approx(expected, abs=1e-9)
+
+
+def test_released_output_still_backpropagates():
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    out = torch.tanh(x @ w) + x
+    expected = torch.autograd.grad(out, w, torch.ones(3, 4), retain_graph=True)[0]
+    release_storage(out)
+    assert out.untyped_storage().nbytes() == 4 and out.shape == (3, 4)
+    torch.autograd.backward([out], [torch.ones(3, 4)])
+    assert torch.equal(w.grad, expected)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["layout.pp=8"], "only 4 layers"),
+        (["layout.pp=2", "layout.pp_layers=3,2"], "sum to the model's 4 layers"),
+        (["layout.pp=2", "layout.pp_layers=4"], "lists 1 stages but pp x vpp = 2"),
+        (["layout.pp=2", "layout.pp_layers=4,0"], "must be positive"),
+        (["model.layers=6", "layout.pp=2", "layout.vpp=2", "layout.pp_schedule=interleaved"], "does not divide"),
+        (["layout.pp=2", "layout.grad_accum=3"], "grad_accum=3 does not divide"),
+        (["layout.pp=4", "layout.vpp=2", "model.layers=8", "layout.pp_schedule=interleaved", "layout.grad_accum=2"],
+         "multiple of pp=4"),
+        (["layout.pp=2", "layout.vpp=2"], "needs layout.pp_schedule='interleaved'"),
+        (["layout.pp=2", "layout.pp_schedule=interleaved", "layout.grad_accum=1", "layout.vpp=2"], "multiple of pp=2"),
+    ],
+)
+def test_bad_pipeline_layouts_are_rejected_before_launch(overrides, message):
+    with pytest.raises(LayoutError, match=message):
+        validate(load_config("tiny", overrides))
+
+
+def test_timeline_outputs(tmp_path):
+    rows = [[Event("F", 0, 0, 0.0, 1.0), Event("B", 0, 0, 2.0, 4.0)],
+            [Event("comm", 0, 0, 0.0, 1.0), Event("F", 0, 0, 1.0, 2.0), Event("B", 0, 0, 2.0, 4.0)]]
+    assert bubble_fraction(rows) == pytest.approx(1 - 6 / 8)
+    trace = chrome_trace(rows)
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 5
+    json.dumps(trace)
+    path = draw_gantt(rows, tmp_path / "t.png")
+    assert path.stat().st_size > 1000
+
+
+# ----------------------------------------------------------------------- parity (gloo)
+
+
+def _parity_cases(pp: int) -> list[list[str]]:
+    """Every schedule x micro-batches in {1, p, 2p, 8}, with uneven stages and the extras."""
+    layers = ["model.layers=8"] if pp == 4 else []
+    cases = []
+    for name in SCHEDULES:
+        for m in sorted({1, pp, 2 * pp, 8}):
+            extra = [f"layout.pp_schedule={name}", f"layout.grad_accum={m}"]
+            if name == "interleaved":
+                if m % pp:
+                    continue
+                extra += ["layout.vpp=2"] + layers
+            cases.append([f"layout.pp={pp}"] + extra)
+    uneven = "3,1" if pp == 2 else "1,2,1,4"
+    cases.append([f"layout.pp={pp}", "layout.grad_accum=4", f"layout.pp_layers={uneven}",
+                  "layout.pp_schedule=1f1b"] + (layers if pp == 4 else []))
+    return cases
+
+
+@functools.lru_cache(maxsize=None)
+def _single_process_with_same_microbatches(config, steps: int):
+    """The one-process run that accumulates the same micro-batches.
+
+    With 8 layers, accumulating 4 or 8 micro-batches instead of one already moves a few
+    parameters by ~3e-5 after two steps in ONE process (Adam amplifies the rounding of
+    near-zero gradients), beyond the parameter bound. A dense pipeline is bitwise equal to
+    this run; with MoE layers it differs by rounding (<= 1e-5 after two steps: gradients
+    reaching a tensor with three or more consumers, as the MoE input has, are summed in
+    another order once the graph is cut into stages).
+    """
+    from fivefold.layout import Layout
+    from fivefold.mesh import Mesh
+    from fivefold.parity import train_trace
+
+    single = validate(config.replace(layout=Layout(grad_accum=config.layout.grad_accum * config.layout.dp)))
+    return train_trace(single, Mesh.single(single.layout), steps)
+
+
+def _check_parity(pools, reference, overrides: list[str], preset: str = "tiny", steps: int = 2):
+    config = load_config(preset, overrides)
+    if config.model.layers > 4 or config.model.is_moe:
+        result = pools.run(config.layout.world_size, trace_on_rank, config, steps)[0]
+        return assert_parity(_single_process_with_same_microbatches(config, steps), result)
+    return layout_parity(pools, reference, config, steps=steps)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_parity_every_schedule_and_microbatch_count(pools, reference, pp):
+    for overrides in _parity_cases(pp):
+        _check_parity(pools, reference, overrides)
+
+
+def test_parity_tied_embeddings_and_moe(pools, reference):
+    for overrides in [
+        ["model.tied_embeddings=true", "layout.pp=4", "layout.grad_accum=4", "layout.pp_schedule=1f1b"],
+        ["model.tied_embeddings=true", "layout.pp=4", "layout.vpp=2", "model.layers=8",
+         "layout.pp_schedule=interleaved", "layout.grad_accum=4"],
+    ]:
+        _check_parity(pools, reference, overrides)
+    overrides = ["layout.pp=2", "layout.grad_accum=4", "layout.pp_schedule=zb-h1"]  # aux losses on both stages
+    _check_parity(pools, reference, overrides, preset="tiny-moe")
+
+
+def _missing(module: str) -> bool:
+    return importlib.util.find_spec(f"fivefold.parallel.{module}") is None
+
+
+@pytest.mark.skipif(_missing("data_parallel"), reason="fivefold.parallel.data_parallel is not built yet")
+def test_parity_with_data_parallel_and_zero(pools, reference):
+    for extra in (["layout.zero=0"], ["layout.zero=1"], ["layout.zero=2"], ["layout.zero=3"]):
+        overrides = ["layout.pp=2", "layout.dp=2", "layout.grad_accum=4", "layout.pp_schedule=1f1b"] + extra
+        _check_parity(pools, reference, overrides)
+    overrides = ["layout.pp=4", "layout.dp=2", "layout.pp_layers=1,2,1,4", "model.layers=8", "layout.grad_accum=2",
+                 "layout.pp_schedule=zb-h1", "model.tied_embeddings=true"]
+    _check_parity(pools, reference, overrides)
+
+
+@pytest.mark.skipif(_missing("tensor_parallel"), reason="fivefold.parallel.tensor_parallel is not built yet")
+def test_parity_with_tensor_and_sequence_parallel(pools, reference):
+    for extra in (["layout.sequence_parallel=false"], ["layout.sequence_parallel=true"]):
+        for name in ("1f1b", "zb-h1"):
+            overrides = ["layout.pp=2", "layout.tp=2", "layout.grad_accum=4", f"layout.pp_schedule={name}"] + extra
+            _check_parity(pools, reference, overrides)
+    overrides = ["layout.pp=2", "layout.tp=2", "layout.dp=2", "layout.grad_accum=2", "model.tied_embeddings=true",
+                 "layout.sequence_parallel=true"]
+    if not _missing("data_parallel"):
+        _check_parity(pools, reference, overrides)
+
+
+# ---------------------------------------------------------------- memory and the timeline
+
+
+def _measure_step(ctx, config, out_dir):
+    """One traced step: activation memory and timeline per stage, and the evaluation loss."""
+    from pathlib import Path
+
+    from fivefold.data import Sampler, load_tokenizer, load_tokens
+    from fivefold.timeline import trace_step
+    from fivefold.train import build, evaluate, local_micro_batches
+
+    config = validate(config, ctx.world_size)
+    model = build(config, ctx.mesh(config.layout), torch.device("cpu"))
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    model.runner.measure_memory = True
+    with trace_step(model, Path(out_dir), enabled=True):
+        model.runner.run(local_micro_batches(model, sampler, 0))
+    memory = model.runner.memory
+    return memory.peak_units, memory.peak_saved_bytes, evaluate(model, data, 1)
+
+
+def test_activation_memory_timeline_and_evaluation(pools, tmp_path):
+    from fivefold.parity import reference_config
+    from fivefold.train import build as build_single, evaluate as evaluate_single
+    from fivefold.data import load_tokenizer, load_tokens
+    from fivefold.mesh import Mesh
+
+    pp, m = 4, 8
+    measured = {}
+    for name in ("gpipe", "1f1b"):
+        config = _config(pp=pp, grad_accum=m, pp_schedule=name)
+        measured[name] = pools.run(pp, _measure_step, config, str(tmp_path / name))
+    for rank in range(pp):
+        gpipe_units, gpipe_bytes, _ = measured["gpipe"][rank]
+        units, saved, _ = measured["1f1b"][rank]
+        assert gpipe_units == m  # GPipe holds every micro-batch
+        assert units == min(pp - rank, m)  # 1F1B at most p (p - rank on rank `rank`)
+        assert saved * gpipe_units == pytest.approx(gpipe_bytes * units, rel=0.05)
+    trace = json.loads((tmp_path / "1f1b" / "trace.json").read_text())
+    forwards = [e for e in trace["traceEvents"] if e.get("cat") == "forward"]
+    assert len(forwards) == pp * m
+    assert (tmp_path / "gpipe" / "timeline.png").stat().st_size > 1000
+    # forward-only evaluation on the pipeline equals the single process
+    config = validate(_config(pp=pp, grad_accum=m))
+    single = build_single(validate(reference_config(config)), Mesh.single(), torch.device("cpu"))
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    expected = evaluate_single(single, data, 1)
+    assert measured["1f1b"][0][2] == pytest.approx(expected, rel=1e-6)
