@@ -13,6 +13,7 @@ ordinary elements. The bound allows 1e-5.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -65,7 +66,9 @@ def train_trace(config: Config, mesh: Mesh, steps: int, keep_params: bool = True
         trace.moe.append(result.moe)
     trace.comm_bytes = mesh.stats.by_axis()
     if keep_params:
-        full = gather_full_state(model.chunks, mesh, full_shapes(config.model))
+        gathered = getattr(model.optimizer, "gathered", contextlib.nullcontext)  # ZeRO-3 shards parameters
+        with gathered():
+            full = gather_full_state(model.chunks, mesh, full_shapes(config.model))
         trace.params = full if mesh.rank == 0 else {}
     return trace
 
