@@ -133,16 +133,8 @@ def run_matrix(pools, world: int, zeros: list[int], accums=(1, 4)) -> list[tuple
     return [(config, [r[i] for r in results]) for i, config in enumerate(configs)]
 
 
-# ----------------------------------------------------------------------------- parity
-
-
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_data_parallel_parity_with_accumulation(pools, world):
-    """dp in {2,4,8} x grad_accum in {1,4}: per-step loss, grad norm and final weights match."""
-    for config, per_rank in run_matrix(pools, world, zeros=[0]):
-        grad_bytes = 4 * per_rank[0]["psi"]
-        # one all-reduce of every gradient per step, whatever the accumulation
-        assert per_rank[0]["dp_bytes"] == STEPS * 2 * (world - 1) * grad_bytes // world
+# The parity matrix dp {2,4,8} x zero {0..3} x grad_accum {1,4} runs in tests/test_zero.py,
+# one pool call per world size for all eight (zero, accumulation) pairs.
 
 
 # ----------------------------------------------------------------------------- hooks and buckets
@@ -305,4 +297,3 @@ def test_layout_single_replica_zero_is_refused():
 
     with pytest.raises(LayoutError, match="dp x cp = 1"):
         validate(tiny(zero=1), 1)
-    _ = Layout  # noqa: F841

@@ -94,7 +94,7 @@ def all_gather_into(out: torch.Tensor, local: torch.Tensor, axis: Axis, async_op
         out.copy_(local.reshape(out.shape))
         return None
     _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
-    return dist.all_gather_into_tensor(out, local.contiguous(), group=axis.group, async_op=async_op)
+    return dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op)
 
 
 def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "sum", async_op: bool = False):
