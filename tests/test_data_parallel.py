@@ -65,7 +65,7 @@ def tiny_model():
 # ----------------------------------------------------------------------------- pool functions
 
 
-def train_configs_on_rank(ctx, configs: list, steps: int) -> list[dict]:
+def train_configs_on_rank(ctx, configs: list, steps: int, probe_finalizers: bool = False) -> list[dict]:
     """Train each config in turn on these ranks; per config, what the tests check.
 
     Every rank returns comm bytes on the data-parallel axis, memory held just before the last
@@ -74,10 +74,10 @@ def train_configs_on_rank(ctx, configs: list, steps: int) -> list[dict]:
     """
     from fivefold.layout import validate
 
-    return [_train_one(ctx, validate(config, ctx.world_size), steps) for config in configs]
+    return [_train_one(ctx, validate(config, ctx.world_size), steps, probe_finalizers) for config in configs]
 
 
-def _train_one(ctx, config, steps: int) -> dict:
+def _train_one(ctx, config, steps: int, probe_finalizers: bool = False) -> dict:
     from fivefold.data import Sampler, load_tokenizer, load_tokens
     from fivefold.memory import held_memory
     from fivefold.parallel.sharding import full_shapes, gather_full_state
@@ -95,6 +95,10 @@ def _train_one(ctx, config, steps: int) -> dict:
         zero_grad()
 
     optimizer.zero_grad = measured_zero_grad
+    if probe_finalizers:  # a finalizer (as TP/PP register) must see every full local gradient
+        seen = memory.setdefault("finalizer_saw_full_grads", [])
+        named = trainable(model.chunks)
+        optimizer.grad_finalizers.append(lambda: seen.append(all(p.grad is not None for _, p in named)))
     mesh.stats.reset()
     trace = TrainTrace([], [], [])
     for step in range(steps):
@@ -107,6 +111,7 @@ def _train_one(ctx, config, steps: int) -> dict:
         "psi": sum(p.numel() for _, p in trainable(model.chunks)),
         "bucket_elements": sum(b.numel for b in optimizer.buckets),
         "buckets": len(optimizer.buckets),
+        "finalizer_saw_full_grads": memory.get("finalizer_saw_full_grads"),
     }
     gathered = getattr(optimizer, "gathered", contextlib.nullcontext)
     with gathered():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fivefold.memory import dp_comm_bytes_per_step, zero_formula_bytes
-from test_data_parallel import STEPS, run_matrix, tiny, train_configs_on_rank
+from test_data_parallel import STEPS, check_parity_and_norms, run_matrix, tiny, train_configs_on_rank
 
 
 def check_memory_and_comm(config, per_rank: list[dict]) -> None:
@@ -44,6 +44,15 @@ def test_bf16_trains_close_to_fp32(pools):
         losses = result["trace"].losses
         assert all(abs(a - b) < 0.03 for a, b in zip(losses, fp32.losses)), (losses, fp32.losses)
         assert losses[-1] < losses[0]
+
+
+def test_finalizers_see_full_gradients_in_every_stage(pools):
+    """Stages 2-3 drop full gradients after reducing; with finalizers they reduce after them."""
+    configs = [tiny(dp=2, zero=z, grad_accum=2) for z in (0, 1, 2, 3)]
+    results = pools.run(2, train_configs_on_rank, configs, STEPS, probe_finalizers=True)
+    for config, result in zip(configs, results[0]):
+        assert result["finalizer_saw_full_grads"] == [True] * STEPS, config.layout
+        check_parity_and_norms(config, result)
 
 
 def _with(section, **changes):

@@ -245,7 +245,8 @@ class BucketReducer:
     """Launches each bucket's reduction as soon as backward has completed all its gradients.
 
     `launch(bucket) -> Pending` starts the collective; `on_complete(bucket)` (optional) runs
-    on every completion, also inside no_sync (ZeRO-3 frees gathered parameters there).
+    on every completion, also inside no_sync (ZeRO-3 frees gathered parameters there);
+    while `defer()` is true, launches wait for `finish()`.
     Launches follow bucket order per axis, so all ranks issue collectives identically.
     """
 
@@ -254,10 +255,11 @@ class BucketReducer:
         buckets: list[FlatBucket],
         launch: Callable[[FlatBucket], Pending],
         on_complete: Callable[[FlatBucket], None] | None = None,
+        defer: Callable[[], bool] = lambda: False,
     ) -> None:
         self.buckets, self.launch, self.on_complete = buckets, launch, on_complete
         self.syncing = True
-        self.deferred = False  # reduce only in finish() (set when grad finalizers must run first)
+        self.defer = defer  # True: reduce only in finish() (ZeRO-2/3 when grad finalizers must run first)
         self.pending: list[Pending] = []
         self._reset()
         for bucket in buckets:
@@ -286,7 +288,7 @@ class BucketReducer:
                 self.ready[bucket.index] = 0
                 if self.on_complete is not None:
                     self.on_complete(bucket)
-                if self.syncing and not self.deferred:
+                if self.syncing and not self.defer():
                     self._mark_complete(bucket)
 
         return hook

@@ -103,8 +103,8 @@ class ZeroAdamW:
         self.grad_finalizers: list[Callable[[], None]] = []
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
         on_complete = self.gatherer.free_bucket if self.gatherer else None
-        self.reducer = BucketReducer(self.buckets, self._launch, on_complete)
-        self._update_deferral()
+        defer = lambda: self.stage >= 2 and bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
+        self.reducer = BucketReducer(self.buckets, self._launch, on_complete, defer)
         if self.gatherer:
             self.gatherer.free_all()
 
@@ -147,19 +147,6 @@ class ZeroAdamW:
             self.reducer.finish()
         if self.gatherer:
             self.gatherer.free_all()
-
-    @property
-    def grad_finalizers(self) -> list[Callable[[], None]]:
-        return self._finalizers
-
-    @grad_finalizers.setter
-    def grad_finalizers(self, value: list[Callable[[], None]]) -> None:
-        self._finalizers = _WatchedList(value, self._update_deferral)
-        self._update_deferral()
-
-    def _update_deferral(self) -> None:
-        if hasattr(self, "reducer"):
-            self.reducer.deferred = self.stage >= 2 and bool(self._finalizers)
 
     # ------------------------------------------------------------------ norm, update
 
@@ -239,26 +226,6 @@ class ZeroAdamW:
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = load_optimizer_state(self.buckets, self.state, self.ranges, state)
-
-
-class _WatchedList(list):
-    """A list that calls back when appended to (the optimizer learns it has finalizers)."""
-
-    def __init__(self, items: list, changed: Callable[[], None]) -> None:
-        super().__init__(items)
-        self._changed = changed
-
-    def append(self, item: Any) -> None:
-        super().append(item)
-        self._changed()
-
-    def extend(self, items: Any) -> None:
-        super().extend(items)
-        self._changed()
-
-    def __iadd__(self, items: Any) -> "_WatchedList":
-        self.extend(items)
-        return self
 
 
 # ----------------------------------------------------------------------------- stage 3
