@@ -190,6 +190,8 @@ def report(args, config: Config, results: dict, rss: list[float]) -> None:
     comparisons = []
     for ours, peers in PAIRS.items():
         peers = [p for p in peers if p in results]
+        if ours not in results:
+            continue
         subset = {n: results[n] for n in [ours, *peers]}
         comparison = bench.compare(f"{ours} vs {', '.join(peers)} (dp=2, gloo, small)", subset, ours, meta)
         bench.print_table(comparison)

@@ -12,7 +12,7 @@ from fivefold.config import Layout, load_config
 from fivefold.mesh import Mesh
 from fivefold.parallel.data_parallel import DataParallelAdamW, flat_adamw_, plan_buckets, trainable
 from fivefold.parallel.optim import AdamWSettings, adamw_update_, decays
-from fivefold.parity import TrainTrace, assert_parity
+from fivefold.parity import PARAM_ATOL, PARAM_RTOL, TrainTrace, assert_parity
 
 STEPS = 2
 SETTINGS = AdamWSettings(0.9, 0.95, 1e-8, 0.1)
@@ -276,9 +276,10 @@ def test_single_rank_data_parallel_matches_replicated_optimizer():
             norms.append(opt.clip_grad_norm(0.01))
             opt.step(1e-2)
             opt.zero_grad()
-    assert norms[:2] == pytest.approx(norms[2:], rel=1e-12)
+    assert norms[:2] == pytest.approx(norms[2:], rel=1e-6)  # fp32 norms per run vs float64 per tensor
     for (n, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=n)
+        # the norms differ in rounding, so the updates differ within the parity bound
+        torch.testing.assert_close(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=n)
 
 
 def test_optimizer_state_round_trips_by_parameter_name():

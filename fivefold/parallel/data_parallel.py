@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ..mesh import Axis, Mesh
 from . import comm
-from .optim import AdamWSettings, adamw_update_, decays, global_grad_norm
+from .optim import AdamWSettings, adamw_update_, decays
 from .sharding import Placement, get_placement, replica_count
 
 MB = 1 << 20
@@ -111,10 +111,13 @@ class FlatBucket:
 
     def gather_grads(self) -> torch.Tensor:
         """A new flat (numel,) tensor of the parameters' current .grad (zeros where None)."""
-        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        flat[self.used :].zero_()
         for seg in self.segments:
             if seg.param.grad is not None:
                 flat[seg.start : seg.end].copy_(seg.param.grad.reshape(-1))
+            else:
+                flat[seg.start : seg.end].zero_()
         return flat
 
 
@@ -417,7 +420,10 @@ class DataParallelAdamW:
             finalize()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        norm = float(global_grad_norm(self.named, self.mesh))
+        ranges = [(0, b.numel) for b in self.buckets]
+        total = squared_grad_sum(self.buckets, [b.grads for b in self.buckets], ranges, self.mesh, sharded=False)
+        comm.all_reduce(total, self.mesh.world)
+        norm = float(total.sqrt())
         coef = clip_coefficient(norm, max_norm)
         if coef < 1:
             scale_([b.grads for b in self.buckets], coef)
@@ -495,18 +501,37 @@ def load_optimizer_state(
     return int(state["steps"])
 
 
-def squared_shard_norm(buckets: list[FlatBucket], grads: list[torch.Tensor | None], mesh: Mesh) -> torch.Tensor:
-    """Sum of squares of sharded gradients, each element of the full model counted once.
+def squared_grad_sum(
+    buckets: list[FlatBucket], grads: list[torch.Tensor | None], ranges: list[tuple[int, int]], mesh: Mesh, sharded: bool
+) -> torch.Tensor:
+    """This rank's share of the squared gradient norm of the full model, each element counted once.
 
-    A shard's elements are owned by one rank of its bucket's axis; they may still be
-    replicated over other axes (e.g. tp for a norm weight), which `replica_count` divides out.
+    `grads[i]` holds elements ranges[i] of bucket i. Replicated (not sharded) gradients are
+    held by every rank of the bucket's axis and by the axes their placement names; a ZeRO
+    shard is owned by one rank of the bucket's axis and may still be replicated over other
+    axes (e.g. tp for a norm weight). Dividing by the number of copies makes one sum over
+    the world count every element once. Runs of parameters with the same number of copies
+    are reduced by one fp32 norm (a double copy of every gradient costs more than the
+    whole reduction); the partial sums are then added in float64.
     """
     total = torch.zeros((), dtype=torch.float64)
-    for bucket, grad in zip(buckets, grads):
+    for bucket, grad, (lo, hi) in zip(buckets, grads, ranges):
         if grad is None:
             continue
-        lo, hi = bucket.shard_range()
-        for seg, start, end in bucket.runs(lo, hi):
-            copies = replica_count(seg.placement, mesh) // (bucket.axis.size if bucket.axis.name in seg.placement.replicated_over else 1)
-            total += grad[start - lo : end - lo].double().pow(2).sum().cpu() / copies
+        for start, end, copies in _copy_runs(bucket, lo, hi, mesh, sharded):
+            norm = torch.linalg.vector_norm(grad[start - lo : end - lo]).double().cpu()
+            total += norm * norm / copies
     return total
+
+
+def _copy_runs(bucket: FlatBucket, lo: int, hi: int, mesh: Mesh, sharded: bool) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    for seg, start, end in bucket.runs(lo, hi):
+        copies = replica_count(seg.placement, mesh)
+        if sharded and bucket.axis.name in seg.placement.replicated_over:
+            copies //= bucket.axis.size
+        if runs and runs[-1][2] == copies and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end, copies)
+        else:
+            runs.append((start, end, copies))
+    return runs

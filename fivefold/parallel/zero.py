@@ -58,7 +58,7 @@ from .data_parallel import (
     optimizer_state_dict,
     plan_buckets,
     scale_,
-    squared_shard_norm,
+    squared_grad_sum,
     trainable,
 )
 from .optim import AdamWSettings
@@ -151,7 +151,7 @@ class ZeroAdamW:
     # ------------------------------------------------------------------ norm, update
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        total = squared_shard_norm(self.buckets, self.grad_shards, self.mesh)
+        total = squared_grad_sum(self.buckets, self.grad_shards, self.ranges, self.mesh, sharded=True)
         comm.all_reduce(total, self.mesh.world)
         norm = float(total.sqrt())
         coef = clip_coefficient(norm, max_norm)
