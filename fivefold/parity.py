@@ -15,6 +15,7 @@ within PARAM_ATOL = 1e-5 (plus PARAM_RTOL = 1e-4 relative), with an order of mag
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -67,7 +68,9 @@ def train_trace(config: Config, mesh: Mesh, steps: int, keep_params: bool = True
         trace.moe.append(result.moe)
     trace.comm_bytes = mesh.stats.by_axis()
     if keep_params:
-        full = gather_full_state(model.chunks, mesh, full_shapes(config.model))
+        gathered = getattr(model.optimizer, "gathered", contextlib.nullcontext)  # ZeRO-3 shards parameters
+        with gathered():
+            full = gather_full_state(model.chunks, mesh, full_shapes(config.model))
         trace.params = full if mesh.rank == 0 else {}
     return trace
 

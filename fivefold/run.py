@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -43,7 +44,9 @@ def save_final_weights(model, run_dir: Path, config: Config) -> Path | None:
     """Gather the full model and write model.safetensors + config.json (rank 0)."""
     from safetensors.torch import save_file
 
-    full = gather_full_state(model.chunks, model.mesh, full_shapes(config.model))
+    gathered = getattr(model.optimizer, "gathered", contextlib.nullcontext)  # ZeRO-3 shards parameters
+    with gathered():
+        full = gather_full_state(model.chunks, model.mesh, full_shapes(config.model))
     if model.mesh.rank != 0:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,22 @@ def all_gather(tensor: torch.Tensor, axis: Axis, dim: int = 0, async_op: bool = 
     return (out, work) if async_op else out
 
 
+def all_gather_into(out: torch.Tensor, local: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Concatenate every rank's flat `local` into the caller's flat buffer `out` (n x local.numel()).
+
+    For callers that own the destination (ZeRO gathers parameters into their flat storage).
+    Returns the work handle when async, else None.
+    """
+    n = axis.size
+    if out.numel() != n * local.numel():
+        raise ValueError(f"all_gather_into on axis {axis.name}: {out.numel()} != {n} x {local.numel()}")
+    if n == 1:
+        out.copy_(local.reshape(out.shape))
+        return None
+    _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
+    return dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op)
+
+
 def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "sum", async_op: bool = False):
     """Sum (or average) `tensor` over the axis and keep this rank's 1/n slice along `dim`."""
     if axis.size == 1:

@@ -1,0 +1,203 @@
+"""Data parallel and ZeRO against torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed.
+
+Same model (fivefold's Transformer, `small` preset), same global batch, dp=2 on CPU/gloo, one
+optimizer step (forward + backward + clip + AdamW) per timed call, alternating cases in one
+run. Launch:
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD python3 -m torch.distributed.run \\
+        --standalone --nproc-per-node 2 benchmarks/bench_dp.py [--rounds 3] [--case NAME]
+
+Without --case every case is timed (median per-round ratio against its peer). Peak resident
+memory is per process, so `--case NAME` runs one case alone and reports its peak RSS per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from fivefold import bench  # noqa: E402
+from fivefold.config import Config, load_config  # noqa: E402
+from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
+from fivefold.layout import validate  # noqa: E402
+from fivefold.mesh import Mesh  # noqa: E402
+from fivefold.model import build_model  # noqa: E402
+from fivefold.parallelize import cross_entropy_sum  # noqa: E402
+from fivefold.train import build, train_step  # noqa: E402
+
+PAIRS = {  # fivefold case: its peers (a case list can be narrowed with --only)
+    "fivefold-dp": ["torch-ddp"],
+    "fivefold-zero1": ["torch-zero1", "deepspeed-zero1"],
+    "fivefold-zero2": ["deepspeed-zero2"],
+    "fivefold-zero3": ["torch-fsdp2", "deepspeed-zero3"],
+}
+
+
+def fivefold_case(config: Config, zero: int, sampler: Sampler) -> Callable[[], None]:
+    cfg = validate(config.replace(layout=config.layout.__class__(dp=2, zero=zero)), 2)
+    model = build(cfg, Mesh.build(cfg.layout), torch.device("cpu"))
+    state = {"step": 0}
+
+    def step() -> None:
+        train_step(model, sampler, state["step"])
+        state["step"] += 1
+
+    return step
+
+
+def local_batch(config: Config, sampler: Sampler, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return sampler.local_batch_at(step, dist.get_rank(), dist.get_world_size())
+
+
+def peer_step(config: Config, sampler: Sampler, model, optimizer, clip: Callable[[], None]) -> Callable[[], None]:
+    """One step of a torch-style peer: the same loss normalisation and clipping as fivefold."""
+    state = {"step": 0}
+    scale = 1.0 / (config.train.global_batch * config.train.seq_len)
+
+    def step() -> None:
+        x, y = local_batch(config, sampler, state["step"])
+        logits, _ = model(x)
+        (cross_entropy_sum(logits, y) * scale).backward()
+        clip()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+
+    return step
+
+
+def adamw(params, config: Config) -> torch.optim.Optimizer:
+    t = config.train
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+
+
+def torch_ddp_case(config: Config, sampler: Sampler, zero1: bool) -> Callable[[], None]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(build_model(config.model, config.train.seed), bucket_cap_mb=25, gradient_as_bucket_view=True)
+    t = config.train
+    if zero1:
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+            weight_decay=t.weight_decay,
+        )
+    else:
+        opt = adamw(model.parameters(), config)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)  # noqa: E731
+    return peer_step(config, sampler, model, opt, clip)
+
+
+def fsdp2_case(config: Config, sampler: Sampler) -> Callable[[], None]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(config.model, config.train.seed)
+    for block in model.layers.values():
+        fully_shard(block)
+    fully_shard(model)
+    opt = adamw(model.parameters(), config)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)  # noqa: E731
+    return peer_step(config, sampler, model, opt, clip)
+
+
+def deepspeed_case(config: Config, sampler: Sampler, stage: int) -> Callable[[], None]:
+    import deepspeed
+
+    t = config.train
+    model = build_model(config.model, config.train.seed)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": t.global_batch // dist.get_world_size(),
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 25 * 2**20 // 4, "overlap_comm": True},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters(), config), config=ds_config)
+    state = {"step": 0}
+    scale = 1.0 / (t.global_batch * t.seq_len)
+
+    def step() -> None:
+        x, y = local_batch(config, sampler, state["step"])
+        logits, _ = engine(x)
+        # DeepSpeed divides by the data-parallel size when averaging; undo it so gradients match
+        engine.backward(cross_entropy_sum(logits, y) * scale * dist.get_world_size())
+        engine.step()
+        state["step"] += 1
+
+    return step
+
+
+def make_case(name: str, config: Config, sampler: Sampler) -> Callable[[], None]:
+    if name.startswith("fivefold-"):
+        zero = 0 if name == "fivefold-dp" else int(name[-1])
+        return fivefold_case(config, zero, sampler)
+    if name in ("torch-ddp", "torch-zero1"):
+        return torch_ddp_case(config, sampler, zero1=name == "torch-zero1")
+    if name == "torch-fsdp2":
+        return fsdp2_case(config, sampler)
+    if name.startswith("deepspeed-zero"):
+        return deepspeed_case(config, sampler, int(name[-1]))
+    raise SystemExit(f"unknown case {name}; cases: {', '.join(all_cases())}")
+
+
+def all_cases() -> list[str]:
+    return [c for ours, peers in PAIRS.items() for c in [ours, *peers]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--case", default="", help="run one case alone (for its peak RSS)")
+    parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. when DeepSpeed cannot run)")
+    parser.add_argument("--json", default="runs/bench/dp.json")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.global_batch=8")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    config = load_config("small", args.overrides)
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    skipped = set(filter(None, args.skip.split(",")))
+    names = [args.case] if args.case else [c for c in all_cases() if c not in skipped]
+    with contextlib.redirect_stdout(sys.stderr if dist.get_rank() else sys.stdout):
+        cases = {name: make_case(name, config, sampler) for name in names}
+        results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
+    rss = torch.tensor([bench.peak_rss_mb()], dtype=torch.float64)
+    all_rss = [torch.zeros_like(rss) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_rss, rss)
+    if dist.get_rank() == 0:
+        report(args, config, results, [float(r) for r in all_rss])
+    dist.destroy_process_group()
+
+
+def report(args, config: Config, results: dict, rss: list[float]) -> None:
+    meta = {"preset": "small", "dp": 2, "global_batch": config.train.global_batch, "seq_len": config.train.seq_len}
+    if args.case:
+        res = results[args.case]
+        print(f"{args.case}: median step {res.median:.3f} s; peak RSS per rank MB: {', '.join(f'{r:.0f}' for r in rss)}")
+        return
+    comparisons = []
+    for ours, peers in PAIRS.items():
+        peers = [p for p in peers if p in results]
+        if ours not in results:
+            continue
+        subset = {n: results[n] for n in [ours, *peers]}
+        comparison = bench.compare(f"{ours} vs {', '.join(peers)} (dp=2, gloo, small)", subset, ours, meta)
+        bench.print_table(comparison)
+        comparisons.append(comparison)
+    print(f"written {bench.write_json(comparisons, args.json)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,537 @@
+"""Data parallel: bucketed gradient reduction overlapped with the backward pass.
+
+Every data-parallel rank holds the whole (local) model and takes its rows of the global
+batch. Gradients are summed over the data-parallel group (each rank's loss is already
+divided by the tokens of the whole global batch, so the sum is the gradient of the global
+mean loss).
+
+The pieces here are shared with ZeRO (zero.py):
+- parameters are grouped by the axis that replicates them (read from their Placement:
+  "dp_cp" for ordinary weights, "edp" for experts under expert parallelism) and packed, in
+  reverse registration order (roughly the order backward produces them), into buckets of
+  about `bucket_mb`; each bucket owns one flat buffer that its parameters and gradients view;
+- a `BucketReducer` counts, from post-accumulate-grad hooks, when a bucket's gradients are
+  complete and launches its collective asynchronously, buckets of one axis strictly in order
+  so every rank issues the same collectives in the same order (DDP does the same);
+- `flat_adamw_` runs the shared element-wise AdamW over any slice of a bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from ..mesh import Axis, Mesh
+from . import comm
+from .optim import AdamWSettings, adamw_update_, decays
+from .sharding import Placement, get_placement, replica_count
+
+MB = 1 << 20
+DATA_AXES = ("dp_cp", "edp")  # axes over which gradients are summed, in order of preference
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+@dataclass
+class Segment:
+    """One parameter's place inside a bucket's flat buffer: elements [start, start + numel)."""
+
+    name: str
+    param: nn.Parameter
+    start: int
+    numel: int
+    placement: Placement
+    decays: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass
+class FlatBucket:
+    """Parameters reduced (and, with ZeRO, sharded) together over one axis.
+
+    `numel` includes the padding that makes it divisible by the axis size; padding lies at
+    the end, after the last segment, and never belongs to a parameter.
+    """
+
+    axis: Axis
+    segments: list[Segment]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    params: torch.Tensor | None = None  # (numel,) flat parameter storage the parameters view
+    grads: torch.Tensor | None = None  # (numel,) flat gradient storage the .grad view (stages 0-1)
+    index: int = 0  # position in the reducer's launch order
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def used(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    @property
+    def padding(self) -> int:
+        return self.numel - self.used
+
+    def shard_range(self) -> tuple[int, int]:
+        """This rank's contiguous 1/n of the bucket (ZeRO ownership)."""
+        size = self.numel // self.axis.size
+        return self.axis.rank * size, (self.axis.rank + 1) * size
+
+    def runs(self, lo: int, hi: int) -> Iterator[tuple[Segment, int, int]]:
+        """(segment, start, end) of each parameter's overlap with [lo, hi), in flat coordinates."""
+        for seg in self.segments:
+            start, end = max(seg.start, lo), min(seg.end, hi)
+            if start < end:
+                yield seg, start, end
+
+    def flatten_params_(self) -> None:
+        """Move the parameters into one flat buffer and make each parameter a view of it."""
+        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for seg in self.segments:
+            flat[seg.start : seg.end].copy_(seg.param.data.reshape(-1))
+            seg.param.data = flat[seg.start : seg.end].view_as(seg.param)
+        self.params = flat
+
+    def attach_grad_views_(self) -> None:
+        """Give every parameter a .grad that views this bucket's flat gradient buffer."""
+        self.grads = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for seg in self.segments:
+            seg.param.grad = self.grads[seg.start : seg.end].view_as(seg.param)
+
+    def grad_view(self, seg: Segment) -> torch.Tensor:
+        assert self.grads is not None
+        return self.grads[seg.start : seg.end].view_as(seg.param)
+
+    def gather_grads(self) -> torch.Tensor:
+        """A new flat (numel,) tensor of the parameters' current .grad (zeros where None)."""
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        flat[self.used :].zero_()
+        for seg in self.segments:
+            if seg.param.grad is not None:
+                flat[seg.start : seg.end].copy_(seg.param.grad.reshape(-1))
+            else:
+                flat[seg.start : seg.end].zero_()
+        return flat
+
+
+def reduction_axis(placement: Placement) -> str | None:
+    """The data axis whose ranks hold copies of this parameter (None: no data-parallel copy)."""
+    return next((a for a in DATA_AXES if a in placement.replicated_over), None)
+
+
+def local_axis(mesh: Mesh) -> Axis:
+    """A size-1 stand-in for parameters no data axis replicates: nothing to reduce."""
+    return Axis("local", None, 1, 0, [mesh.rank], mesh.stats)
+
+
+def trainable(modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every trainable parameter of every chunk, each parameter once."""
+    seen: set[int] = set()
+    named = []
+    for module in modules:
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+    return named
+
+
+def group_by_axis(named: list[tuple[str, nn.Parameter]], mesh: Mesh) -> dict[tuple, list[tuple[str, nn.Parameter]]]:
+    """Parameters grouped by (reduction axis, dtype, device), in their original order."""
+    groups: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in named:
+        axis = reduction_axis(get_placement(p, name)) or "local"
+        groups.setdefault((axis, p.dtype, p.device), []).append((name, p))
+    return groups
+
+
+def make_bucket(named: list[tuple[str, nn.Parameter]], axis: Axis, pad_to: int) -> FlatBucket:
+    segments, offset = [], 0
+    for name, p in named:
+        placement = get_placement(p, name)
+        segments.append(Segment(name, p, offset, p.numel(), placement, decays(placement.name, p.dim())))
+        offset += p.numel()
+    numel = -(-offset // pad_to) * pad_to
+    first = named[0][1]
+    return FlatBucket(axis, segments, numel, first.dtype, first.device)
+
+
+def plan_buckets(
+    named: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_bytes: int, pad_to_axis: bool
+) -> list[FlatBucket]:
+    """Buckets of at most ~bucket_bytes per axis group, filled in reverse registration order.
+
+    Reverse order approximates the order in which backward completes gradients, so early
+    buckets are ready early. With `pad_to_axis`, each bucket's length is a multiple of its
+    axis size (ZeRO shards buckets evenly).
+    """
+    buckets: list[FlatBucket] = []
+    for (axis_name, _, _), members in group_by_axis(named, mesh).items():
+        axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
+        pad_to = axis.size if pad_to_axis else 1
+        current: list[tuple[str, nn.Parameter]] = []
+        size = 0
+        for name, p in reversed(members):
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > bucket_bytes:
+                buckets.append(make_bucket(current, axis, pad_to))
+                current, size = [], 0
+            current.append((name, p))
+            size += nbytes
+        if current:
+            buckets.append(make_bucket(current, axis, pad_to))
+    for i, bucket in enumerate(buckets):
+        bucket.index = i
+    return buckets
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+@torch.no_grad()
+def check_replicas_identical(buckets: list[FlatBucket]) -> None:
+    """Raise unless every replica of every parameter holds the same values (checked, not assumed).
+
+    Each parameter contributes two float64 fingerprints (its sum and a position-weighted sum);
+    the max and the min over the replicas' group must agree for every one of them.
+    """
+    by_axis: dict[str, tuple[Axis, list[Segment]]] = {}
+    for bucket in buckets:
+        by_axis.setdefault(bucket.axis.name, (bucket.axis, []))[1].extend(bucket.segments)
+    for axis, segments in by_axis.values():
+        if axis.size == 1:
+            continue
+        prints = torch.stack([_fingerprint(seg.param.data) for seg in segments]).reshape(-1)
+        both = torch.cat([prints, -prints]).cpu()
+        comm.all_reduce(both, axis, op="max")
+        high, low = both[: prints.numel()], -both[prints.numel() :]
+        differs = (high != low).reshape(len(segments), 2).any(dim=1)
+        if differs.any():
+            bad = [segments[i].name for i in differs.nonzero().flatten().tolist()]
+            raise RuntimeError(
+                f"data-parallel replicas over axis {axis.name} (ranks {axis.ranks}) start from different "
+                f"weights for {len(bad)} parameter(s), e.g. {', '.join(bad[:3])}; every replica must be "
+                "initialised identically (same seed, same materialisation)"
+            )
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1).double()
+    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(1021).add_(1)
+    return torch.stack([flat.sum(), (flat * weights).sum()])
+
+
+# ----------------------------------------------------------------------------- the reducer
+
+
+class Pending:
+    """An in-flight collective and what to do once it has landed."""
+
+    def __init__(self, work, then: Callable[[], None] | None = None, keep: tuple = ()) -> None:
+        self.work, self.then, self.keep = work, then, keep  # keep: buffers the collective uses
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.then is not None:
+            self.then()
+
+
+class BucketReducer:
+    """Launches each bucket's reduction as soon as backward has completed all its gradients.
+
+    `launch(bucket) -> Pending` starts the collective; `on_complete(bucket)` (optional) runs
+    on every completion, also inside no_sync (ZeRO-3 frees gathered parameters there);
+    while `defer()` is true, launches wait for `finish()`.
+    Launches follow bucket order per axis, so all ranks issue collectives identically.
+    """
+
+    def __init__(
+        self,
+        buckets: list[FlatBucket],
+        launch: Callable[[FlatBucket], Pending],
+        on_complete: Callable[[FlatBucket], None] | None = None,
+        defer: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.buckets, self.launch, self.on_complete = buckets, launch, on_complete
+        self.syncing = True
+        self.defer = defer  # True: reduce only in finish() (ZeRO-2/3 when grad finalizers must run first)
+        self.pending: list[Pending] = []
+        self._reset()
+        for bucket in buckets:
+            for seg in bucket.segments:
+                seg.param.register_post_accumulate_grad_hook(self._hook(bucket, seg))
+
+    def _reset(self) -> None:
+        self.ready = [0] * len(self.buckets)
+        self.launched = [False] * len(self.buckets)
+        self.next_by_axis = {b.axis.name: [x.index for x in self.buckets if x.axis.name == b.axis.name] for b in self.buckets}
+
+    def _hook(self, bucket: FlatBucket, seg: Segment) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if self.launched[bucket.index]:
+                raise RuntimeError(
+                    f"the gradient of {seg.name} arrived after its bucket was reduced: run every backward "
+                    "of a step but the last inside optimizer.no_sync()"
+                )
+            if bucket.grads is not None and param.grad is not None:
+                view = bucket.grad_view(seg)
+                if param.grad.data_ptr() != view.data_ptr():  # someone replaced .grad: fold it back
+                    view.copy_(param.grad)
+                    param.grad = view
+            self.ready[bucket.index] += 1
+            if self.ready[bucket.index] == len(bucket.segments):
+                self.ready[bucket.index] = 0
+                if self.on_complete is not None:
+                    self.on_complete(bucket)
+                if self.syncing and not self.defer():
+                    self._mark_complete(bucket)
+
+        return hook
+
+    def _mark_complete(self, bucket: FlatBucket) -> None:
+        bucket.extra["complete"] = True
+        order = self.next_by_axis[bucket.axis.name]
+        while order and self.buckets[order[0]].extra.get("complete"):
+            self._launch(self.buckets[order.pop(0)])
+
+    def _launch(self, bucket: FlatBucket) -> None:
+        self.launched[bucket.index] = True
+        self.pending.append(self.launch(bucket))
+
+    def finish(self) -> None:
+        """Launch what backward did not complete (unused parameters, deferral), wait for all."""
+        for bucket in self.buckets:
+            if not self.launched[bucket.index]:
+                self._launch(bucket)
+        for pending in self.pending:
+            pending.wait()
+        self.pending = []
+        for bucket in self.buckets:
+            bucket.extra.pop("complete", None)
+        self._reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = previous
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+@torch.no_grad()
+def flat_adamw_(
+    bucket: FlatBucket,
+    lo: int,
+    hi: int,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor],
+    step: int,
+    lr: float,
+    settings: AdamWSettings,
+) -> None:
+    """AdamW on the elements [lo, hi) of a bucket; param/grad/state are (hi - lo,) tensors.
+
+    Consecutive parameters with the same weight-decay rule are updated in one call.
+    """
+    exp_avg, exp_avg_sq = state
+    for start, end, decay in _decay_runs(bucket, lo, hi):
+        a, b = start - lo, end - lo
+        adamw_update_(param[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, lr, settings, decay)
+
+
+def _decay_runs(bucket: FlatBucket, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+    runs: list[tuple[int, int, bool]] = []
+    for seg, start, end in bucket.runs(lo, hi):
+        if runs and runs[-1][2] == seg.decays and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end, seg.decays)
+        else:
+            runs.append((start, end, seg.decays))
+    return runs
+
+
+def scale_(tensors: list[torch.Tensor | None], coef: float) -> None:
+    for t in tensors:
+        if t is not None:
+            t.mul_(coef)
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor clipping applies (1.0 when it does not), as every optimizer computes it."""
+    if max_norm <= 0:
+        return 1.0
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1 else 1.0
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+class DataParallelAdamW:
+    """AdamW with every parameter replicated over its data axis; gradients summed in buckets.
+
+    Parameters and gradients live in one flat buffer per bucket (the parameters and their
+    .grad are views), so a bucket is reduced with one collective and updated with a few
+    element-wise calls. Gradients accumulate in place across micro-batches; inside
+    `no_sync()` nothing is communicated, so accumulation then one reduction equals one
+    large batch.
+
+    Checkpoint format (`state_dict`): per parameter name, its exp_avg / exp_avg_sq as whole
+    local tensors, with offset 0 into the flattened local parameter (the same schema ZeRO
+    uses for its shards; see zero.py).
+    """
+
+    def __init__(
+        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, bucket_mb: float = 25.0
+    ) -> None:
+        self.mesh, self.settings = mesh, settings
+        self.named = trainable(chunks)
+        self.buckets = plan_buckets(self.named, mesh, int(bucket_mb * MB), pad_to_axis=False)
+        check_replicas_identical(self.buckets)
+        for bucket in self.buckets:
+            bucket.flatten_params_()
+            bucket.attach_grad_views_()
+        self.state = [(torch.zeros_like(b.params), torch.zeros_like(b.params)) for b in self.buckets]
+        self.steps = 0
+        self.grad_finalizers: list[Callable[[], None]] = []
+        self.reducer = BucketReducer(self.buckets, self._launch)
+
+    def _launch(self, bucket: FlatBucket) -> Pending:
+        return Pending(comm.all_reduce(bucket.grads, bucket.axis, async_op=True))
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.reducer.no_sync()
+
+    def finish_grad_sync(self) -> None:
+        self.reducer.finish()
+        for finalize in self.grad_finalizers:
+            finalize()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        ranges = [(0, b.numel) for b in self.buckets]
+        total = squared_grad_sum(self.buckets, [b.grads for b in self.buckets], ranges, self.mesh, sharded=False)
+        comm.all_reduce(total, self.mesh.world)
+        norm = float(total.sqrt())
+        coef = clip_coefficient(norm, max_norm)
+        if coef < 1:
+            scale_([b.grads for b in self.buckets], coef)
+        return norm
+
+    def step(self, lr: float) -> None:
+        self.steps += 1
+        for bucket, state in zip(self.buckets, self.state):
+            flat_adamw_(bucket, 0, bucket.numel, bucket.params, bucket.grads, state, self.steps, lr, self.settings)
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.grads.zero_()
+            for seg in bucket.segments:  # keep the views even if someone set .grad = None
+                seg.param.grad = bucket.grad_view(seg)
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
+        return {
+            "params": [b.params for b in self.buckets],
+            "grads": [b.grads for b in self.buckets],
+            "optimizer": [t for pair in self.state for t in pair],
+        }
+
+    def padding_bytes(self) -> dict[str, int]:
+        return {"params": 0, "grads": 0, "optimizer": 0}
+
+    def state_dict(self) -> dict:
+        return optimizer_state_dict(self.buckets, self.state, [(0, b.numel) for b in self.buckets], self.steps)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = load_optimizer_state(self.buckets, self.state, [(0, b.numel) for b in self.buckets], state)
+
+
+# ----------------------------------------------------------------------------- checkpoint schema
+
+
+def optimizer_state_dict(
+    buckets: list[FlatBucket], states: list[tuple[torch.Tensor, torch.Tensor]], ranges: list[tuple[int, int]], steps: int
+) -> dict:
+    """Optimizer state per parameter name as flat shards with their offsets.
+
+    {"steps": k, "params": {name: [{"offset": o, "numel": n, "local_shape": s, "placement": P,
+    "exp_avg": (n,), "exp_avg_sq": (n,)}, ...]}}: elements [o, o + n) of the flattened local
+    parameter (a tensor whose place in the full model `placement` gives). A checkpoint writer
+    reassembles each local tensor from the pieces of all data-parallel ranks, then the full
+    tensor from the placements, whatever the ZeRO stage or bucket size.
+    """
+    params: dict[str, list[dict]] = {}
+    for bucket, (m, v), (lo, hi) in zip(buckets, states, ranges):
+        for seg, start, end in bucket.runs(lo, hi):
+            params.setdefault(seg.name, []).append({
+                "offset": start - seg.start,
+                "numel": end - start,
+                "local_shape": tuple(seg.param.shape),
+                "placement": seg.placement,
+                "exp_avg": m[start - lo : end - lo].clone(),
+                "exp_avg_sq": v[start - lo : end - lo].clone(),
+            })
+    return {"steps": steps, "params": params}
+
+
+def load_optimizer_state(
+    buckets: list[FlatBucket], states: list[tuple[torch.Tensor, torch.Tensor]], ranges: list[tuple[int, int]], state: dict
+) -> int:
+    """Inverse of `optimizer_state_dict` for the same layout; returns the step count."""
+    pieces = {(name, p["offset"]): p for name, ps in state["params"].items() for p in ps}
+    for bucket, (m, v), (lo, hi) in zip(buckets, states, ranges):
+        for seg, start, end in bucket.runs(lo, hi):
+            piece = pieces.get((seg.name, start - seg.start))
+            if piece is None or piece["numel"] != end - start:
+                raise ValueError(f"optimizer state for {seg.name} at offset {start - seg.start} is missing or sized differently")
+            m[start - lo : end - lo].copy_(piece["exp_avg"])
+            v[start - lo : end - lo].copy_(piece["exp_avg_sq"])
+    return int(state["steps"])
+
+
+def squared_grad_sum(
+    buckets: list[FlatBucket], grads: list[torch.Tensor | None], ranges: list[tuple[int, int]], mesh: Mesh, sharded: bool
+) -> torch.Tensor:
+    """This rank's share of the squared gradient norm of the full model, each element counted once.
+
+    `grads[i]` holds elements ranges[i] of bucket i. Replicated (not sharded) gradients are
+    held by every rank of the bucket's axis and by the axes their placement names; a ZeRO
+    shard is owned by one rank of the bucket's axis and may still be replicated over other
+    axes (e.g. tp for a norm weight). Dividing by the number of copies makes one sum over
+    the world count every element once. Runs of parameters with the same number of copies
+    are reduced by one fp32 norm (a double copy of every gradient costs more than the
+    whole reduction); the partial sums are then added in float64.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for bucket, grad, (lo, hi) in zip(buckets, grads, ranges):
+        if grad is None:
+            continue
+        for start, end, copies in _copy_runs(bucket, lo, hi, mesh, sharded):
+            norm = torch.linalg.vector_norm(grad[start - lo : end - lo]).double().cpu()
+            total += norm * norm / copies
+    return total
+
+
+def _copy_runs(bucket: FlatBucket, lo: int, hi: int, mesh: Mesh, sharded: bool) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    for seg, start, end in bucket.runs(lo, hi):
+        copies = replica_count(seg.placement, mesh)
+        if sharded and bucket.axis.name in seg.placement.replicated_over:
+            copies //= bucket.axis.size
+        if runs and runs[-1][2] == copies and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end, copies)
+        else:
+            runs.append((start, end, copies))
+    return runs

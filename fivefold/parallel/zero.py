@@ -1,0 +1,380 @@
+"""ZeRO stages 1-3 (Rajbhandari et al. 2020) over the data-parallel group.
+
+Every bucket (see data_parallel.py) is a flat buffer padded to a multiple of its axis size
+n; data-parallel rank r owns the contiguous r-th 1/n of every bucket. It keeps the Adam
+moments of those elements only, receives their gradient sum by reduce-scatter, updates
+them, and (stages 1-2) all-gathers the updated parameters into the flat buffer.
+
+- Stage 1: full gradients live in each bucket's flat buffer (the .grad are views); the
+  reduce-scatter lands in this rank's slice of it.
+- Stage 2: gradients are produced by autograd per parameter; when a bucket is complete they
+  are packed, reduce-scattered and dropped, so after backward a rank holds only its shard.
+- Stage 3: parameters are sharded too. Each transformer block, plus the rest of a chunk
+  (embedding, final norm, head) as its "root" unit, is gathered before its forward and
+  freed after it, gathered again when the gradient reaches its output, and freed once all
+  its parameter gradients are in (which launches their reduce-scatter). The next unit's
+  gather is prefetched while the current one computes. Freeing resizes the flat storage to
+  zero, so tensors saved for backward that view it are refilled by the next gather.
+
+Training in bf16 uses autocast over fp32 parameters: the fp32 "master weights" of the
+ZeRO paper are the parameters themselves (sharded in stage 3, in the Adam update of every
+stage); there is no separate fp16/bf16 copy to keep.
+
+Gradient accumulation: inside `no_sync()` gradients accumulate whole on every rank (in the
+flat buffers for stage 1, in .grad for stages 2-3) and only the last micro-batch reduces,
+so the per-step communication is that of one batch, at the memory cost of full gradients
+during accumulation (stage 3 still gathers parameters for every micro-batch).
+
+Gradient finalizers (e.g. summing sequence-parallel norm gradients over tp, tied embeddings
+over pp) are linear sums over other axes, so they commute with the data-parallel sum. Stages
+0-1 run them after the reduction, on the .grad views. Stages 2-3 have no full .grad after
+the reduction, so when finalizers are registered these stages reduce in finish_grad_sync,
+after running them on the full local gradients (correct, but without overlap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from ..mesh import Mesh
+from . import comm
+from .data_parallel import (
+    MB,
+    BucketReducer,
+    FlatBucket,
+    Pending,
+    check_replicas_identical,
+    clip_coefficient,
+    flat_adamw_,
+    group_by_axis,
+    load_optimizer_state,
+    local_axis,
+    make_bucket,
+    optimizer_state_dict,
+    plan_buckets,
+    scale_,
+    squared_grad_sum,
+    trainable,
+)
+from .optim import AdamWSettings
+
+
+class ZeroAdamW:
+    """AdamW with optimizer state (stage 1), gradients (2) and parameters (3) sharded over dp x cp.
+
+    Expert parameters (Placement replicated over "edp") are sharded over the expert data
+    parallel group instead; nothing here names a layer type, so modules swapped in by other
+    strategies are handled like any other.
+
+    Checkpoints: `state_dict()` gives, per parameter name, this rank's pieces of exp_avg /
+    exp_avg_sq with their offsets into the flattened local parameter (see
+    data_parallel.optimizer_state_dict); stage 3 parameters are read inside `gathered()`.
+    """
+
+    def __init__(
+        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0
+    ) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage {stage} does not exist; use 1, 2 or 3 (0 is DataParallelAdamW)")
+        self.mesh, self.settings, self.stage = mesh, settings, stage
+        self.named = trainable(chunks)
+        self.units: list[Unit] = build_units(chunks, mesh) if stage == 3 else []
+        if stage == 3:  # backward completes the last unit first
+            self.buckets = [b for unit in reversed(self.units) for b in unit.buckets]
+            for i, bucket in enumerate(self.buckets):
+                bucket.index = i
+        else:
+            self.buckets = plan_buckets(self.named, mesh, int(bucket_mb * MB), pad_to_axis=True)
+        check_replicas_identical(self.buckets)
+        for bucket in self.buckets:
+            bucket.flatten_params_()
+            if stage == 1:
+                bucket.attach_grad_views_()
+        self.ranges = [b.shard_range() for b in self.buckets]
+        self.param_shards = [self._own_shard(b, lo, hi) for b, (lo, hi) in zip(self.buckets, self.ranges)]
+        self.state = [(torch.zeros_like(s), torch.zeros_like(s)) for s in self.param_shards]
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.steps = 0
+        self.grad_finalizers: list[Callable[[], None]] = []
+        self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
+        on_complete = self.gatherer.free_bucket if self.gatherer else None
+        defer = lambda: self.stage >= 2 and bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
+        self.reducer = BucketReducer(self.buckets, self._launch, on_complete, defer)
+        if self.gatherer:
+            self.gatherer.free_all()
+
+    def _own_shard(self, bucket: FlatBucket, lo: int, hi: int) -> torch.Tensor:
+        # Stages 1-2 update a view of the flat buffer; stage 3 keeps the shard apart (the
+        # flat buffer is freed between uses).
+        return bucket.params[lo:hi].clone() if self.stage == 3 else bucket.params[lo:hi]
+
+    # ------------------------------------------------------------------ gradient reduction
+
+    def _launch(self, bucket: FlatBucket) -> Pending:
+        i = bucket.index
+        if self.stage == 1:
+            out, work = comm.reduce_scatter(bucket.grads, bucket.axis, async_op=True)
+            lo, hi = self.ranges[i]
+
+            def land() -> None:
+                own = bucket.grads[lo:hi]
+                own.copy_(out)
+                self.grad_shards[i] = own
+
+            return Pending(work, land)
+        full = bucket.gather_grads()  # (numel,) packed from .grad, which is then dropped
+        for seg in bucket.segments:
+            seg.param.grad = None
+        out, work = comm.reduce_scatter(full, bucket.axis, async_op=True)
+        return Pending(work, lambda: self.grad_shards.__setitem__(i, out), keep=(full,))
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.reducer.no_sync()
+
+    def finish_grad_sync(self) -> None:
+        if self.stage == 1:
+            self.reducer.finish()
+            for finalize in self.grad_finalizers:
+                finalize()
+        else:
+            for finalize in self.grad_finalizers:
+                finalize()
+            self.reducer.finish()
+        if self.gatherer:
+            self.gatherer.free_all()
+
+    # ------------------------------------------------------------------ norm, update
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        total = squared_grad_sum(self.buckets, self.grad_shards, self.ranges, self.mesh, sharded=True)
+        comm.all_reduce(total, self.mesh.world)
+        norm = float(total.sqrt())
+        coef = clip_coefficient(norm, max_norm)
+        if coef < 1:
+            scale_(self.grad_shards, coef)
+        return norm
+
+    def step(self, lr: float) -> None:
+        self.steps += 1
+        gathers = []
+        for i, bucket in enumerate(self.buckets):
+            grad = self.grad_shards[i]
+            if grad is None:
+                grad = torch.zeros_like(self.param_shards[i])
+            lo, hi = self.ranges[i]
+            flat_adamw_(bucket, lo, hi, self.param_shards[i], grad, self.state[i], self.steps, lr, self.settings)
+            if self.stage < 3:  # stage 3 gathers lazily, before the next forward
+                updated = self.param_shards[i].clone()
+                gathers.append((comm.all_gather_into(bucket.params, updated, bucket.axis, async_op=True), updated))
+        for work, _ in gathers:
+            if work is not None:
+                work.wait()
+
+    def zero_grad(self) -> None:
+        self.grad_shards = [None] * len(self.buckets)
+        for bucket in self.buckets:
+            if self.stage == 1:
+                bucket.grads.zero_()
+                for seg in bucket.segments:
+                    seg.param.grad = bucket.grad_view(seg)
+            else:
+                for seg in bucket.segments:
+                    seg.param.grad = None
+
+    # ------------------------------------------------------------------ full parameters, state
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Inside, every parameter holds its full local value (stage 3); e.g. for gather_full_state."""
+        if self.gatherer is None:
+            yield
+            return
+        self.gatherer.gather_all()
+        try:
+            yield
+        finally:
+            self.gatherer.free_all()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
+        params = [b.params for b in self.buckets] + (self.param_shards if self.stage == 3 else [])
+        grads = [g for g in self.grad_shards if g is not None]
+        if self.stage == 1:
+            grads += [b.grads for b in self.buckets]
+        return {"params": params, "grads": grads, "optimizer": [t for pair in self.state for t in pair]}
+
+    def padding_bytes(self) -> dict[str, int]:
+        """Bytes of the held tensors that are padding, not parameters."""
+        full = sum(b.padding * b.params.element_size() for b in self.buckets)
+        shard = sum(
+            max(0, hi - max(lo, b.used)) * b.params.element_size() for b, (lo, hi) in zip(self.buckets, self.ranges)
+        )
+        grads_held = any(g is not None for g in self.grad_shards)
+        return {
+            "params": shard if self.stage == 3 else full,
+            "grads": full if self.stage == 1 else (shard if grads_held else 0),
+            "optimizer": 2 * shard,
+        }
+
+    def state_dict(self) -> dict:
+        return optimizer_state_dict(self.buckets, self.state, self.ranges, self.steps)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = load_optimizer_state(self.buckets, self.state, self.ranges, state)
+
+
+# ----------------------------------------------------------------------------- stage 3
+
+
+@dataclass
+class Unit:
+    """Parameters gathered and freed together: one block, or a chunk's remaining parameters."""
+
+    name: str
+    module: nn.Module
+    buckets: list[FlatBucket]
+    next_forward: "Unit | None" = None  # the unit whose forward follows, within the chunk
+    next_backward: "Unit | None" = None  # the unit whose backward follows
+    extra: dict = field(default_factory=dict)
+
+
+def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
+    """Units in forward order: per chunk its root (embedding, norm, head), then each block.
+
+    A chunk without `layers` is one unit. Each unit has one padded bucket per data axis.
+    """
+    units: list[Unit] = []
+    for c, chunk in enumerate(chunks):
+        blocks = dict(chunk.layers.items()) if isinstance(getattr(chunk, "layers", None), nn.ModuleDict) else {}
+        in_blocks = {id(p) for block in blocks.values() for p in block.parameters()}
+        root = [(n, p) for n, p in trainable([chunk]) if id(p) not in in_blocks]
+        members = [(f"chunk{c}.root", chunk, root)] if root else []
+        members += [(f"chunk{c}.layers.{k}", b, [(f"layers.{k}.{n}", p) for n, p in trainable([b])]) for k, b in blocks.items()]
+        chunk_units = [Unit(name, module, _unit_buckets(named, mesh)) for name, module, named in members if named]
+        for a, b in zip(chunk_units, chunk_units[1:]):
+            a.next_forward, b.next_backward = b, a
+        if root and len(chunk_units) > 1:  # the head's backward comes first, then the last block's
+            chunk_units[0].next_backward = chunk_units[-1]
+        units += chunk_units
+    return units
+
+
+def _unit_buckets(named: list[tuple[str, nn.Parameter]], mesh: Mesh) -> list[FlatBucket]:
+    buckets = []
+    for (axis_name, _, _), members in group_by_axis(named, mesh).items():
+        axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
+        buckets.append(make_bucket(members, axis, axis.size))
+    return buckets
+
+
+class _GatherBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward first gathers the unit's parameters."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+class ParameterGatherer:
+    """Gathers and frees stage-3 units around their forward and backward, with prefetch.
+
+    A bucket is "free" (flat storage of size 0), "gathering" (an all-gather in flight) or
+    "full". Hooks: before a unit's forward, make it full and start gathering the next unit;
+    after it, free it and hang `_GatherBeforeBackward` on its outputs; that backward makes
+    the unit full again and prefetches the previous unit. The reducer frees each bucket once
+    all its gradients have arrived.
+    """
+
+    def __init__(self, units: list[Unit], shards: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
+        self.units = units
+        self.shard_of = {id(b): s for b, s in zip(buckets, shards)}
+        self.status = {id(b): "full" for b in buckets}
+        self.works: dict[int, Any] = {}
+        for unit in units:
+            unit.module.register_forward_pre_hook(self._pre_forward(unit))
+            unit.module.register_forward_hook(self._post_forward(unit))
+
+    def gather_async(self, unit: Unit | None) -> None:
+        if unit is None:
+            return
+        for b in unit.buckets:
+            if self.status[id(b)] == "free":
+                b.params.untyped_storage().resize_(b.numel * b.params.element_size())
+                self.works[id(b)] = comm.all_gather_into(b.params, self.shard_of[id(b)], b.axis, async_op=True)
+                self.status[id(b)] = "gathering"
+
+    def ensure_full(self, unit: Unit) -> None:
+        self.gather_async(unit)
+        for b in unit.buckets:
+            self._wait(b)
+
+    def _wait(self, b: FlatBucket) -> None:
+        work = self.works.pop(id(b), None)
+        if work is not None:
+            work.wait()
+        if self.status[id(b)] == "gathering":
+            self.status[id(b)] = "full"
+
+    def free_bucket(self, b: FlatBucket) -> None:
+        self._wait(b)
+        b.params.untyped_storage().resize_(0)
+        self.status[id(b)] = "free"
+
+    def free_unit(self, unit: Unit) -> None:
+        for b in unit.buckets:
+            self.free_bucket(b)
+
+    def free_all(self) -> None:
+        for unit in self.units:
+            self.free_unit(unit)
+
+    def gather_all(self) -> None:
+        for unit in self.units:
+            self.gather_async(unit)
+        for unit in self.units:
+            self.ensure_full(unit)
+
+    def _pre_forward(self, unit: Unit) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.ensure_full(unit)
+            self.gather_async(unit.next_forward)
+
+        return hook
+
+    def _post_forward(self, unit: Unit) -> Callable:
+        def before_backward() -> None:
+            self.ensure_full(unit)
+            self.gather_async(unit.next_backward)
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            self.free_unit(unit)
+            if torch.is_grad_enabled():
+                return _wrap_outputs(output, before_backward)
+            return output
+
+        return hook
+
+
+def _wrap_outputs(output: Any, callback: Callable[[], None]) -> Any:
+    """Route every grad-requiring tensor of a (tuple) output through one gather-before-backward node."""
+    items = list(output) if isinstance(output, (tuple, list)) else [output]
+    where = [i for i, t in enumerate(items) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not where:
+        return output
+    wrapped = _GatherBeforeBackward.apply(callback, *[items[i] for i in where])
+    for i, t in zip(where, wrapped):
+        items[i] = t
+    if isinstance(output, (tuple, list)):
+        return type(output)(items)
+    return items[0]

@@ -1,0 +1,305 @@
+"""Data parallel: buckets, hooks that overlap the reduction with backward, parity with one process."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+
+from fivefold.config import Layout, load_config
+from fivefold.mesh import Mesh
+from fivefold.parallel.data_parallel import DataParallelAdamW, flat_adamw_, plan_buckets, trainable
+from fivefold.parallel.optim import AdamWSettings, adamw_update_, decays
+from fivefold.parity import PARAM_ATOL, PARAM_RTOL, TrainTrace, assert_parity
+
+STEPS = 2
+SETTINGS = AdamWSettings(0.9, 0.95, 1e-8, 0.1)
+
+
+GLOBAL_BATCH = 32  # dp=8 x grad_accum=4 x one sequence per micro-batch
+
+
+def tiny(**layout) -> object:
+    overrides = [f"layout.{k}={v}" for k, v in layout.items()]
+    return load_config("tiny", [f"train.global_batch={GLOBAL_BATCH}", *overrides])
+
+
+@functools.lru_cache(maxsize=None)
+def _single_process(config, steps: int) -> TrainTrace:
+    from fivefold.layout import validate
+    from fivefold.parity import train_trace
+
+    return train_trace(config, Mesh.single(validate(config).layout), steps)
+
+
+def matched_reference(config, steps: int) -> TrainTrace:
+    """The single-process run with the layout's micro-batch size (so its micro-batches match).
+
+    Per micro-batch the forward and backward are then the same computation as on a
+    data-parallel rank; only the order in which micro-batch gradients are added differs.
+    A reference that takes the whole batch at once differs by more: Adam divides each
+    gradient by its own magnitude, so an element whose gradient nearly cancels (|g| ~ 1e-9
+    against a typical 1e-4) turns the rounding of a differently blocked sum into an update
+    difference of up to lr * |dg| / eps -- enough to cross the parameter bound with
+    grad_accum=4 even in a single process.
+    """
+    from fivefold.layout import validate
+
+    resolved = validate(config, config.layout.world_size).layout
+    single = Layout(grad_accum=resolved.dp * resolved.grad_accum)
+    return _single_process(config.replace(layout=single), steps)
+
+
+def tiny_model():
+    from fivefold.model import Transformer
+    from fivefold.parallel.sharding import materialize
+
+    config = load_config("tiny")
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    return materialize(model, config.model, seed=0)
+
+
+# ----------------------------------------------------------------------------- pool functions
+
+
+def train_configs_on_rank(ctx, configs: list, steps: int, probe_finalizers: bool = False) -> list[dict]:
+    """Train each config in turn on these ranks; per config, what the tests check.
+
+    Every rank returns comm bytes on the data-parallel axis, memory held just before the last
+    zero_grad (gradients still there) and the bucket sizes; rank 0 adds the trace with the
+    full parameters.
+    """
+    from fivefold.layout import validate
+
+    return [_train_one(ctx, validate(config, ctx.world_size), steps, probe_finalizers) for config in configs]
+
+
+def _train_one(ctx, config, steps: int, probe_finalizers: bool = False) -> dict:
+    from fivefold.data import Sampler, load_tokenizer, load_tokens
+    from fivefold.memory import held_memory
+    from fivefold.parallel.sharding import full_shapes, gather_full_state
+    from fivefold.train import build, train_step
+
+    mesh = ctx.mesh(config.layout)
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    model = build(config, mesh, torch.device("cpu"))
+    optimizer, memory = model.optimizer, {}
+    zero_grad = optimizer.zero_grad
+
+    def measured_zero_grad() -> None:
+        memory["held"] = held_memory(model.chunks, optimizer)
+        zero_grad()
+
+    optimizer.zero_grad = measured_zero_grad
+    if probe_finalizers:  # a finalizer (as TP/PP register) must see every full local gradient
+        seen = memory.setdefault("finalizer_saw_full_grads", [])
+        named = trainable(model.chunks)
+        optimizer.grad_finalizers.append(lambda: seen.append(all(p.grad is not None for _, p in named)))
+    mesh.stats.reset()
+    trace = TrainTrace([], [], [])
+    for step in range(steps):
+        result = train_step(model, sampler, step)
+        trace.losses.append(result.loss)
+        trace.grad_norms.append(result.grad_norm)
+    out = {
+        "dp_bytes": mesh.stats.axis_bytes("dp_cp"),
+        "memory": memory["held"],
+        "psi": sum(p.numel() for _, p in trainable(model.chunks)),
+        "bucket_elements": sum(b.numel for b in optimizer.buckets),
+        "buckets": len(optimizer.buckets),
+        "finalizer_saw_full_grads": memory.get("finalizer_saw_full_grads"),
+    }
+    gathered = getattr(optimizer, "gathered", contextlib.nullcontext)
+    with gathered():
+        trace.params = gather_full_state(model.chunks, mesh, full_shapes(config.model))
+    if ctx.rank == 0:
+        out["trace"] = trace
+    return out
+
+
+def check_parity_and_norms(config, result: dict) -> None:
+    ref = matched_reference(config, STEPS)
+    report = assert_parity(ref, result["trace"])
+    for a, b in zip(ref.grad_norms, result["trace"].grad_norms):
+        assert abs(a - b) <= 1e-5 * abs(a), (config.layout, ref.grad_norms, result["trace"].grad_norms)
+    return report
+
+
+def run_matrix(pools, world: int, zeros: list[int], accums=(1, 4)) -> list[tuple]:
+    """Train every (zero, accum) of one world size in one pool call; check parity of each."""
+    configs = [tiny(dp=world, zero=z, grad_accum=a) for z in zeros for a in accums]
+    results = pools.run(world, train_configs_on_rank, configs, STEPS)
+    for i, config in enumerate(configs):
+        check_parity_and_norms(config, results[0][i])
+    return [(config, [r[i] for r in results]) for i, config in enumerate(configs)]
+
+
+# The parity matrix dp {2,4,8} x zero {0..3} x grad_accum {1,4} runs in tests/test_zero.py,
+# one pool call per world size for all eight (zero, accumulation) pairs.
+
+
+# ----------------------------------------------------------------------------- hooks and buckets
+
+
+def _overlap_and_views(ctx) -> dict:
+    from fivefold.train import build
+
+    config = tiny(dp=2, bucket_mb=0.05)  # ~50 KB buckets: several per model
+    from fivefold.layout import validate
+
+    config = validate(config, 2)
+    mesh = ctx.mesh(config.layout)
+    model = build(config, mesh, torch.device("cpu"))
+    optimizer: DataParallelAdamW = model.optimizer
+    reducer = optimizer.reducer
+    torch.manual_seed(ctx.rank)
+    tokens = torch.randint(0, 256, (2, 32))
+
+    def backward() -> None:
+        logits, _ = model.chunks[0](tokens)
+        logits.float().pow(2).mean().backward()
+
+    with optimizer.no_sync():
+        backward()
+    launched_in_no_sync = sum(reducer.launched)
+    backward()
+    launched_during_backward = sum(reducer.launched)
+    views = all(
+        seg.param.grad.untyped_storage().data_ptr() == b.grads.untyped_storage().data_ptr()
+        and seg.param.untyped_storage().data_ptr() == b.params.untyped_storage().data_ptr()
+        for b in optimizer.buckets
+        for seg in b.segments
+    )
+    optimizer.finish_grad_sync()
+    grads = torch.cat([b.grads for b in optimizer.buckets])
+    return {
+        "buckets": len(optimizer.buckets),
+        "no_sync": launched_in_no_sync,
+        "backward": launched_during_backward,
+        "views": views,
+        "grads": grads,
+        "sizes": [b.numel * 4 for b in optimizer.buckets],
+    }
+
+
+def test_buckets_launch_during_backward_and_grads_view_flat_buffers(pools):
+    results = pools.run(2, _overlap_and_views)
+    first = results[0]
+    assert first["buckets"] >= 3
+    assert first["no_sync"] == 0  # accumulation micro-batches communicate nothing
+    assert first["backward"] == first["buckets"]  # every bucket launched from a hook, before finish
+    assert first["views"]
+    assert torch.equal(results[0]["grads"], results[1]["grads"])  # reduced: identical on both ranks
+    limit = 0.05 * (1 << 20)
+    largest_param = 256 * 64 * 4
+    assert all(s <= max(limit, largest_param) for s in first["sizes"])
+
+
+def _different_weights(ctx) -> str:
+    from fivefold.layout import validate
+    from fivefold.parallelize import build_chunks
+    from fivefold.parallel.sharding import materialize
+
+    config = validate(tiny(dp=2), 2)
+    mesh = ctx.mesh(config.layout)
+    chunks = build_chunks(config, mesh)
+    materialize(chunks[0], config.model, seed=0)
+    if ctx.rank == 1:
+        with torch.no_grad():
+            chunks[0].layers["2"].mlp.up.weight[3, 5] += 1e-3
+    try:
+        DataParallelAdamW(chunks, mesh, SETTINGS)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_replicas_that_start_apart_are_refused(pools):
+    message = pools.run(2, _different_weights)[0]
+    assert "different weights" in message and "layers.2.mlp.up.weight" in message
+
+
+def test_bucket_plan_covers_every_parameter_once_in_reverse_order():
+    model = tiny_model()
+    named = trainable([model])
+    buckets = plan_buckets(named, Mesh.single(), bucket_bytes=60_000, pad_to_axis=False)
+    names = [seg.name for b in buckets for seg in b.segments]
+    assert names == [n for n, _ in reversed(named)]
+    for b in buckets:
+        assert b.numel == b.used
+        assert b.numel * 4 <= 60_000 or len(b.segments) == 1
+        starts = [seg.start for seg in b.segments]
+        assert starts == sorted(starts) and starts[0] == 0
+
+
+def test_flat_update_equals_per_parameter_update():
+    """The flat AdamW over a bucket changes every element exactly as the per-tensor update."""
+    model = tiny_model()
+    named = trainable([model])
+    torch.manual_seed(0)
+    expected = {}
+    for name, p in named:
+        grad = torch.randn_like(p)
+        p.grad = grad
+        ref, m, v = p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)
+        for step in (1, 2):
+            adamw_update_(ref, grad, m, v, step, 1e-2, SETTINGS, decays(name, p.dim()))
+        expected[name] = ref
+    grads = {name: p.grad.clone() for name, p in named}
+    (bucket,) = plan_buckets(named, Mesh.single(), bucket_bytes=1 << 30, pad_to_axis=False)
+    bucket.flatten_params_()
+    flat_grad = torch.cat([grads[seg.name].reshape(-1) for seg in bucket.segments])
+    state = (torch.zeros(bucket.numel), torch.zeros(bucket.numel))
+    for step in (1, 2):
+        flat_adamw_(bucket, 0, bucket.numel, bucket.params, flat_grad, state, step, 1e-2, SETTINGS)
+    for name, p in named:
+        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-7)
+
+
+def test_single_rank_data_parallel_matches_replicated_optimizer():
+    """With one replica the data-parallel optimizer is the plain one, update for update."""
+    from fivefold.parallel.optim import ReplicatedAdamW
+
+    models = [tiny_model(), tiny_model()]
+    opts = [ReplicatedAdamW([models[0]], Mesh.single(), SETTINGS), DataParallelAdamW([models[1]], Mesh.single(), SETTINGS, 0.02)]
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    norms = []
+    for model, opt in zip(models, opts):
+        for _ in range(2):
+            logits, _ = model(tokens)
+            logits.pow(2).mean().backward()
+            opt.finish_grad_sync()
+            norms.append(opt.clip_grad_norm(0.01))
+            opt.step(1e-2)
+            opt.zero_grad()
+    assert norms[:2] == pytest.approx(norms[2:], rel=1e-6)  # fp32 norms per run vs float64 per tensor
+    for (n, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        # the norms differ in rounding, so the updates differ within the parity bound
+        torch.testing.assert_close(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=n)
+
+
+def test_optimizer_state_round_trips_by_parameter_name():
+    model = tiny_model()
+    opt = DataParallelAdamW([model], Mesh.single(), SETTINGS, 0.02)
+    for b, (m, v) in zip(opt.buckets, opt.state):
+        m.copy_(torch.randn(b.numel))
+        v.copy_(torch.rand(b.numel))
+    state = opt.state_dict()
+    assert set(state["params"]) == {n for n, _ in model.named_parameters()}
+    piece = state["params"]["layers.0.attn.wq.weight"][0]
+    assert piece["offset"] == 0 and piece["numel"] == 64 * 64 and piece["local_shape"] == (64, 64)
+    other = DataParallelAdamW([tiny_model()], Mesh.single(), SETTINGS, 0.02)
+    other.load_state_dict(state)
+    for (m1, v1), (m2, v2) in zip(opt.state, other.state):
+        assert torch.equal(m1, m2) and torch.equal(v1, v2)
+
+
+def test_layout_single_replica_zero_is_refused():
+    from fivefold.layout import LayoutError, validate
+
+    with pytest.raises(LayoutError, match="dp x cp = 1"):
+        validate(tiny(zero=1), 1)
