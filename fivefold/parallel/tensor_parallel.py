@@ -73,7 +73,9 @@ def region_input(x: torch.Tensor, axis: Axis, layout: str) -> torch.Tensor:
     if layout == "replicated":
         return comm.copy_to(x, axis)
     if layout == "sequence":
-        return comm.all_gather_to_full(x, axis, SEQ_DIM)
+        # The gather along dim 1 comes back as a strided view; one contiguous copy here spares
+        # every column-parallel layer a copy of its own (and the memory each would save).
+        return comm.all_gather_to_full(x, axis, SEQ_DIM).contiguous()
     if layout == "ready":  # an enclosing region already did it
         return x
     raise ValueError(f"unknown input layout {layout!r}")
@@ -500,3 +502,62 @@ def sum_grads_over_repeats(params: list[nn.Parameter], axis: Axis, repeat: int) 
     buffer[mine] = flat
     comm.all_reduce(buffer, axis)
     _write_back(params, buffer[mine])
+
+
+# ----------------------------------------------------------------------------- analytic volume
+
+
+def _ring_wire(op: str, elements: int, n: int, element_bytes: int) -> int:
+    """Wire bytes of one call, exactly as comm.py counts it (elements: the full buffer)."""
+    nbytes = elements * element_bytes
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    return (n - 1) * (nbytes // n)  # all-gather of nbytes/n per rank, or reduce-scatter of nbytes
+
+
+def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
+    """Bytes one rank sends on the tp axis in one training step, by collective (fp32, pp = cp = 1).
+
+    Per micro-batch of b sequences of s tokens, with x = b*s*h elements:
+      without sequence parallel: embedding all-reduce forward (x); per layer two all-reduces
+        forward (attention and MLP exits) and two backward (their entries); the head's entry
+        all-reduce backward (x);
+      with sequence parallel each all-reduce becomes an all-gather + reduce-scatter pair: the
+        embedding reduce-scatters forward and all-gathers backward, each region all-gathers
+        and reduce-scatters in both passes, the head all-gathers forward and reduce-scatters
+        backward;
+      the loss: an all-reduce of the row maxima (b*s) and one of [sum exp, target logit] (2*b*s).
+    Once per step: the gradient finalizers (norm weights under sequence parallel and MoE
+    routers in one all-reduce, the kv heads shared by tp / kv ranks in a (kv, n) buffer) and
+    the training loop's MoE statistics ((E + 1) float64 per MoE layer).
+    """
+    model, layout, train = config.model, config.layout, config.train
+    n, fp32 = layout.tp, 4
+    if n == 1:
+        return {}
+    b, s, h = layout.micro_batch, train.seq_len, model.hidden
+    x = b * s * h
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.layers))
+    calls: list[tuple[str, int, int]] = []  # (op, elements, element bytes) per micro-batch
+    if layout.sequence_parallel:
+        pair = [("all_gather", x, fp32), ("reduce_scatter", x, fp32)]
+        calls += pair  # embedding (forward RS, backward AG)
+        calls += pair * 4 * model.layers  # two regions, each AG + RS forward and RS + AG backward
+        calls += pair  # head entry
+    else:
+        calls += [("all_reduce", x, fp32)] * (1 + 4 * model.layers + 1)
+    calls += [("all_reduce", b * s, fp32), ("all_reduce", 2 * b * s, fp32)]  # the loss
+    calls = calls * layout.grad_accum
+    summed = model.layers * 2 * h + h if layout.sequence_parallel else 0  # norm weights
+    summed += moe_layers * model.num_experts * h  # routers
+    if summed:
+        calls.append(("all_reduce", summed, fp32))
+    kv = model.n_kv_heads
+    if kv % n:
+        local_kv = 2 * model.layers * model.head_dim * h  # wk and wv: one kv head each
+        calls.append(("all_reduce", kv * local_kv, fp32))
+    calls += [("all_reduce", model.num_experts + 1, 8)] * moe_layers
+    out: dict[str, int] = {}
+    for op, elements, element_bytes in calls:
+        out[op] = out.get(op, 0) + _ring_wire(op, elements, n, element_bytes)
+    return out
