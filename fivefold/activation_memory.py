@@ -86,6 +86,15 @@ def activation_bytes_per_layer(model: ModelConfig, layout: Layout, micro_batch: 
     return sum(s.bytes for s in saved_tensors_per_layer(model, layout, micro_batch, seq_len))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding this rank's data: unwrap tensor subclasses (DTensor's local
+    shard, an asynchronous collective's result) until a tensor with storage remains."""
+    while hasattr(t, "__tensor_flatten__"):
+        inner, _ = t.__tensor_flatten__()
+        t = getattr(t, inner[0])
+    return t
+
+
 @dataclass
 class SavedBytes:
     per_layer: dict[str, int]  # layer name -> bytes saved for backward by that layer only
@@ -99,7 +108,7 @@ def measure_saved_bytes(model: nn.Module, run_forward, layers: dict[str, nn.Modu
     `layers` maps names to the modules whose forward passes are measured separately; the
     parameters of `model` are excluded.
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     owners: dict[int, set[str]] = {}
     sizes: dict[int, int] = {}
     current = ["<outside>"]
@@ -113,7 +122,7 @@ def measure_saved_bytes(model: nn.Module, run_forward, layers: dict[str, nn.Modu
         handles.append(layer.register_forward_hook(leave))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()
         key = storage.data_ptr()
         if key not in params and storage.nbytes():
             owners.setdefault(key, set()).add(current[-1])
