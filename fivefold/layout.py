@@ -138,16 +138,32 @@ def _check_tensor_parallel(layout: Layout, model: ModelConfig, train: TrainConfi
     _must_divide("FFN width (model.ffn_hidden)", model.ffn, "tp", tp, "the MLP is split by columns")
     if model.is_moe:
         _must_divide("expert FFN width", model.expert_ffn, "tp", tp, "each expert is split by columns")
+    _check_vocab_split(model.vocab_size, tp)
     if layout.sequence_parallel:
         if tp == 1:
             raise LayoutError("layout.sequence_parallel needs tp > 1; set layout.tp or turn it off")
         local = train.seq_len // layout.cp
         if local % tp:
-            ok = [s for s in range(train.seq_len - 8, train.seq_len + 9) if s > 0 and s % (tp * layout.cp) == 0]
+            step = tp * layout.cp
+            below, above = (train.seq_len // step) * step, (train.seq_len // step + 1) * step
+            near = ", ".join(str(v) for v in (below, above) if v > 0)
+            fits = ", ".join(str(d) for d in divisors(local) if model.heads % d == 0 and d > 1)
             raise LayoutError(
                 f"sequence parallel splits each sequence chunk of {local} tokens over tp={tp}, which does not "
-                f"divide it; use a seq_len that is a multiple of {tp * layout.cp} (e.g. {', '.join(map(str, ok))})"
+                f"divide it; use a seq_len that is a multiple of {step} (e.g. {near})"
+                + (f", or tp in {fits}" if fits else "")
             )
+
+
+def _check_vocab_split(vocab: int, tp: int) -> None:
+    """The vocabulary is padded to a multiple of tp; every rank must own at least one real token."""
+    width = -(-vocab // tp)
+    if vocab <= (tp - 1) * width:
+        largest = max(d for d in range(1, tp) if vocab > (d - 1) * -(-vocab // d))
+        raise LayoutError(
+            f"model.vocab_size={vocab} split over tp={tp} leaves rank {tp - 1} only padding "
+            f"({width} rows each); use tp <= {largest} or a larger vocabulary"
+        )
 
 
 def _check_pipeline(layout: Layout, model: ModelConfig, num_micro: int) -> None:

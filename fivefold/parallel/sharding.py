@@ -38,7 +38,9 @@ class Placement:
 
     `padded_shape` is the full shape after padding (e.g. a vocabulary padded to a multiple of
     tp); the padding rows never exist in the full model. `replicated_over` names the mesh axes
-    whose ranks hold identical copies of this local tensor.
+    whose ranks hold identical copies of this local tensor. `extra["repeat"]` maps an axis to
+    k when runs of k consecutive ranks of that axis hold the same chunk (a key/value head
+    shared by k tensor-parallel ranks): those k copies are replicas too.
     """
 
     name: str
@@ -86,13 +88,20 @@ def set_placement(param: torch.Tensor, placement: Placement) -> None:
     setattr(param, _ATTR, placement)
 
 
+def repeats(placement: Placement) -> dict[str, int]:
+    """Axis -> k where runs of k consecutive ranks of the axis hold the same chunk."""
+    return placement.extra.get("repeat", {})
+
+
 def replica_count(placement: Placement, mesh: Mesh) -> int:
-    return math.prod(mesh[a].size for a in placement.replicated_over)
+    whole_axes = math.prod(mesh[a].size for a in placement.replicated_over)
+    return whole_axes * math.prod(repeats(placement).values())
 
 
 def is_primary(placement: Placement, mesh: Mesh) -> bool:
-    """The one replica (lowest rank on every replicated axis) that speaks for all copies."""
-    return all(mesh[a].rank == 0 for a in placement.replicated_over)
+    """The one replica (lowest rank on every replicated axis or run) that speaks for all copies."""
+    whole_axes = all(mesh[a].rank == 0 for a in placement.replicated_over)
+    return whole_axes and all(mesh[a].rank % k == 0 for a, k in repeats(placement).items())
 
 
 def _local_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

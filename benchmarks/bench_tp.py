@@ -1,0 +1,215 @@
+"""Tensor parallel (tp=2, CPU/gloo): fivefold against torch DTensor `parallelize_module`.
+
+Both train the same model (`small` preset unless --config), from the same weights, on the
+same global batch, one optimizer step per case, alternating in one run. The DTensor peer
+uses torchtitan's plan: ColwiseParallel / RowwiseParallel for the projections,
+SequenceParallel for the norms, PrepareModuleInput to gather the sequence before attention
+and the MLP, a vocab-parallel embedding and head, and `loss_parallel` for the loss.
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 \\
+        python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_tp.py
+
+Reported per case: median step time, the median per-round ratio to fivefold, the peak
+resident memory during a step (the kernel's high-water mark reset before each step; the
+fixed mmap threshold makes freed tensors leave the process so the mark is per step), and
+the rise of that mark above the resident size at the start of the step, and
+the bytes autograd saves for backward in one forward pass (saved-tensor hooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fivefold import bench
+from fivefold.activation_memory import measure_saved_bytes
+from fivefold.config import load_config
+from fivefold.data import Sampler, load_tokenizer, load_tokens
+from fivefold.layout import validate
+from fivefold.mesh import Mesh
+from fivefold.model import build_model
+from fivefold.parallel.optim import decays
+from fivefold.train import build, train_step
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def dtensor_plan(model, sequence_parallel: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "head": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for i in model.layers:
+        p = f"layers.{i}."
+        plan.update({
+            p + "attn.wq": ColwiseParallel(), p + "attn.wk": ColwiseParallel(), p + "attn.wv": ColwiseParallel(),
+            p + "attn.wo": RowwiseParallel(output_layouts=residual),
+            p + "mlp.gate": ColwiseParallel(), p + "mlp.up": ColwiseParallel(),
+            p + "mlp.down": RowwiseParallel(output_layouts=residual),
+        })
+        if sequence_parallel:
+            plan.update({
+                p + "attn_norm": SequenceParallel(), p + "mlp_norm": SequenceParallel(),
+                p + "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+    return plan
+
+
+def clip_mixed(params: list, max_norm: float) -> None:
+    """clip_grad_norm_ over DTensor and plain parameters together (torch's refuses the mix:
+    without sequence parallel the norm weights are not DTensors)."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    groups = [[p for p in params if hasattr(p, "to_local")], [p for p in params if not hasattr(p, "to_local")]]
+    norms = []
+    for group in groups:
+        norm = get_total_norm([p.grad for p in group if p.grad is not None]) if group else torch.zeros(())
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups:
+        if group:
+            clip_grads_with_norm_(group, max_norm, total)
+
+
+class DTensorTrainer:
+    """The same model and step with DTensor tensor parallelism and torch's AdamW."""
+
+    def __init__(self, config, sequence_parallel: bool) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        self.config = config
+        self.model = build_model(config.model, config.train.seed)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        parallelize_module(self.model, mesh, dtensor_plan(self.model, sequence_parallel))
+        named = list(self.model.named_parameters())
+        groups = [
+            {"params": [p for n, p in named if decays(n, p.dim())], "weight_decay": config.train.weight_decay},
+            {"params": [p for n, p in named if not decays(n, p.dim())], "weight_decay": 0.0},
+        ]
+        t = config.train
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss; the global batch is one micro-batch here, as in fivefold's run.
+
+        Call inside `loss_parallel`, once: contexts must not nest (the inner one switches
+        the vocab-parallel loss off on exit, and backward then fails on mixed tensors).
+        """
+        logits, _ = self.model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+    def loss_parallel_forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            return self.loss(inputs, targets)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        t = self.config.train
+        with loss_parallel():
+            self.loss(inputs, targets).backward()
+        clip_mixed(list(self.model.parameters()), t.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def measured(case, peaks: dict, name: str):
+    """Wrap a step so that each call records its peak resident memory and the peak's rise
+    above the resident size at the start of the step (what the step itself allocates)."""
+    def run() -> None:
+        reset_peak_rss()
+        before = _status_mb("VmRSS")
+        case()
+        peak = _status_mb("VmHWM")
+        old_peak, old_rise = peaks.get(name, (0.0, 0.0))
+        peaks[name] = (max(old_peak, peak), max(old_rise, peak - before))
+    return run
+
+
+def saved_mb(model, inputs: torch.Tensor, loss) -> float:
+    saved = measure_saved_bytes(model, lambda: loss(inputs), dict(model.layers.items()))
+    return (sum(saved.per_layer.values()) + saved.shared + saved.outside_layers) / 2**20
+
+
+def compare_one(config, sequence_parallel: bool, rounds: int) -> bench.Comparison:
+    config = validate(config, dist.get_world_size())
+    mesh = Mesh.build(config.layout)
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    inputs, targets = sampler.local_batch_at(0, 0, 1)
+    ours = build(config, mesh, torch.device("cpu"))
+    peer = DTensorTrainer(config, sequence_parallel)
+    peaks: dict[str, float] = {}
+    cases = {
+        "fivefold": measured(lambda: train_step(ours, sampler, 0), peaks, "fivefold"),
+        "dtensor": measured(lambda: peer.step(inputs, targets), peaks, "dtensor"),
+    }
+    results = bench.alternate(cases, warmup=1, rounds=rounds, sync=dist.barrier)
+    chunk = ours.chunks[0]
+    saved = {
+        "fivefold": saved_mb(chunk, inputs, lambda x: ours.loss_fn(chunk(x)[0], targets)),
+        "dtensor": saved_mb(peer.model, inputs, lambda x: peer.loss_parallel_forward(x, targets)),
+    }
+    for name, res in results.items():
+        res.peak_rss_mb, res.extra["step_rise_mb"] = peaks[name]
+        res.extra["saved_for_backward_mb"] = saved[name]
+    title = f"tp={config.layout.tp} {'with' if sequence_parallel else 'without'} sequence parallel, {config.model.name}"
+    meta = {"tp": config.layout.tp, "sequence_parallel": sequence_parallel, "global_batch": config.train.global_batch,
+            "seq_len": config.train.seq_len, "threads": torch.get_num_threads()}
+    return bench.compare(title, results, "fivefold", meta)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="small")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", default="sp,nosp", help="comma list of sp, nosp")
+    parser.add_argument("--out", default="runs/bench/tp.json")
+    args, overrides = parser.parse_known_args()
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    comparisons = []
+    for mode in args.modes.split(","):
+        sp = mode == "sp"
+        config = load_config(args.config, [f"layout.tp={world}", f"layout.sequence_parallel={sp}", *overrides])
+        comparisons.append(compare_one(config, sp, args.rounds))
+    if dist.get_rank() == 0:
+        for c in comparisons:
+            bench.print_table(c)
+            for name, res in c.cases.items():
+                print(f"  {name}: step raises resident memory by {res.extra['step_rise_mb']:.1f} MB at its peak; "
+                      f"saved for backward {res.extra['saved_for_backward_mb']:.1f} MB per forward")
+        print(f"wrote {bench.write_json(comparisons, args.out)}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,563 @@
+"""Tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+The model stays plain PyTorch. A *plan* -- data, module name -> style -- says what happens to
+each module, and `apply_plan` carries it out from outside: linear layers are swapped for
+column- or row-parallel ones (keeping the attribute name `weight`, so parameter names stay
+those of the full model), regions get their entry and exit collectives as hooks, and every
+sharded parameter records its `Placement`.
+
+A tensor-parallel region (attention, MLP, MoE) is entered once -- its input made whole on
+every tp rank -- and left once -- the partial sums of the row-parallel layer reduced:
+
+                 without sequence parallel           with sequence parallel
+    entry        copy_to: identity / all-reduce       all-gather / reduce-scatter (dim 1)
+    exit         reduce_from: all-reduce / identity   reduce-scatter / all-gather (dim 1)
+
+so a layer costs two all-reduces of b*s*h forward and two backward, or the same volume as
+all-gathers and reduce-scatters. The entry sits on the region (not on each column-parallel
+layer) so that q, k and v, or gate and up, share one collective.
+
+Gradients that are partial on each tp rank are summed by grad finalizers (run by the
+optimizer's `finish_grad_sync`, once per step): the norm weights under sequence parallel
+(each rank saw only its tokens), the MoE router (each rank saw only its slice of the
+experts' output), and key/value heads that several tp ranks hold when tp exceeds the
+number of kv heads (each copy saw only its rank's query heads).
+
+Design choices:
+- MoE under sequence parallel gathers the tokens before the block and reduce-scatters after
+  it, exactly like the dense MLP. The router then sees whole sequences on every rank, so
+  capacity ordering and the per-sequence auxiliary statistics are those of the
+  single-process model without any extra hook; the price is the router's (tiny, E x h)
+  matmul repeated on every tp rank.
+- The auxiliary MoE loss is computed on every tp rank (its value is reported from tp rank 0)
+  but only tp rank 0 back-propagates it, so the summed router gradient counts it once.
+- Under sequence parallel the column-parallel layers keep the gathered input for backward
+  (as DTensor's plans do) instead of gathering it again in backward (Megatron): the backward
+  pass then has no extra all-gather, at the cost of 2*b*s*h saved elements per layer that
+  are not divided by tp (see `fivefold.activation_memory`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import Config, ModelConfig
+from ..mesh import Axis, Mesh
+from ..model import MoE, Transformer
+from . import comm
+from .sharding import Placement, Split, get_placement, set_placement
+
+SEQ_DIM = 1  # activations are (B, T, C): sequence parallel splits T
+
+Style = str | tuple[str, ...]
+Finalizer = Callable[[], None]
+ParamRef = tuple[nn.Module, str]
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp; the extra rows are never predicted."""
+    return -(-vocab_size // tp) * tp
+
+
+# ----------------------------------------------------------------------------- region collectives
+
+
+def region_input(x: torch.Tensor, axis: Axis, layout: str) -> torch.Tensor:
+    """Make a region's input whole on every tp rank (Megatron's f, or SP's all-gather)."""
+    if layout == "replicated":
+        return comm.copy_to(x, axis)
+    if layout == "sequence":
+        # The gather along dim 1 comes back as a strided view; one contiguous copy here spares
+        # every column-parallel layer a copy of its own (and the memory each would save).
+        return comm.all_gather_to_full(x, axis, SEQ_DIM).contiguous()
+    if layout == "ready":  # an enclosing region already did it
+        return x
+    raise ValueError(f"unknown input layout {layout!r}")
+
+
+def region_output(y: torch.Tensor, axis: Axis, layout: str) -> torch.Tensor:
+    """Sum a region's partial outputs over tp (Megatron's g, or SP's reduce-scatter)."""
+    if layout == "replicated":
+        return comm.reduce_from(y, axis)
+    if layout == "sequence":
+        return comm.reduce_scatter_to_shard(y, axis, SEQ_DIM)
+    if layout == "partial":  # an enclosing region reduces it together with other partial sums
+        return y
+    raise ValueError(f"unknown output layout {layout!r}")
+
+
+class _BackwardOnFirstRank(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient on tp rank 0, zero elsewhere.
+
+    For a value every tp rank computes whole (the MoE auxiliary loss) but whose gradient
+    flows into tensors whose gradients are later summed over tp: it must count once.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.keep = axis.rank == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+def backward_on_first_rank(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return x if axis.size == 1 else _BackwardOnFirstRank.apply(x, axis)
+
+
+# ----------------------------------------------------------------------------- parallel layers
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T: this rank holds a slice of the output features (rows of W)."""
+
+    def __init__(self, in_features: int, out_local: int, axis: Axis, input_layout: str = "ready",
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.axis, self.input_layout = axis, input_layout
+        self.weight = nn.Parameter(torch.empty(out_local, in_features, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(region_input(x, self.axis, self.input_layout), self.weight)  # (B, T, out/tp)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, input={self.input_layout}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tp of x_local W_local^T: this rank holds a slice of the input features."""
+
+    def __init__(self, in_local: int, out_features: int, axis: Axis, output_layout: str = "replicated",
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.axis, self.output_layout = axis, output_layout
+        self.weight = nn.Parameter(torch.empty(out_features, in_local, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return region_output(F.linear(x, self.weight), self.axis, self.output_layout)
+
+    def extra_repr(self) -> str:
+        return f"in_local={self.weight.shape[1]}, out={self.weight.shape[0]}, output={self.output_layout}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank owns rows [start, start + n) of the (padded) table; lookups elsewhere give 0.
+
+    The partial embeddings are then summed over tp (all-reduce), or summed and split along
+    the sequence (reduce-scatter) under sequence parallel.
+    """
+
+    def __init__(self, vocab_local: int, hidden: int, vocab_start: int, axis: Axis, output_layout: str,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.vocab_start, self.axis, self.output_layout = vocab_start, axis, output_layout
+        self.weight = nn.Parameter(torch.empty(vocab_local, hidden, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start  # (B, T)
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return region_output(rows, self.axis, self.output_layout)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Sum of token cross-entropies from vocab-sharded logits; the full logits never exist.
+
+    logits (N, V/tp) fp32, targets (N,). The max and the sum of exponentials are reduced over
+    tp (one all-reduce of the max, one of [sum exp, target logit]); padding columns (global
+    index >= vocab_size) are set to -inf, so they get zero probability and zero gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, axis: Axis, vocab_start: int, vocab_size: int):
+        width = logits.shape[-1]
+        columns = torch.arange(vocab_start, vocab_start + width, device=logits.device)
+        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+        row_max = logits.max(dim=-1).values  # (N,)
+        comm.all_reduce(row_max, axis, op="max")
+        shifted = logits - row_max.unsqueeze(-1)
+        exp = shifted.exp()  # (N, V/tp)
+        local_target = targets - vocab_start
+        mine = (local_target >= 0) & (local_target < width)
+        local_target = local_target.masked_fill(~mine, 0)
+        target_logit = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N)
+        comm.all_reduce(sums, axis)
+        losses = sums[0].log() - sums[1]  # (N,)
+        exp.div_(sums[0].unsqueeze(-1))  # the local slice of the softmax
+        ctx.save_for_backward(exp, local_target, mine)
+        return losses.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_target, mine = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local_target] -= mine.to(g.dtype)
+        return g * grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: Axis, vocab_size: int) -> torch.Tensor:
+    """SUM of token losses; logits (..., V_padded/tp) are this rank's vocabulary slice."""
+    width = logits.shape[-1]
+    flat = logits.float().reshape(-1, width)
+    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), axis, axis.rank * width, vocab_size)
+
+
+def vocab_parallel_loss(mesh: Mesh, config: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """loss_fn(logits_local, targets) -> SUM of token CE, for the head's vocab-sharded logits."""
+    axis, vocab = mesh.tp, config.model.vocab_size
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, axis, vocab)
+
+    return loss
+
+
+# ----------------------------------------------------------------------------- the plan (data)
+
+ATTENTION_PLAN: dict[str, Style] = {
+    "attn_norm": "norm",
+    "attn": "region",
+    "attn.wq": "colwise",
+    "attn.wk": "colwise_kv",
+    "attn.wv": "colwise_kv",
+    "attn.wo": "rowwise",
+}
+MLP_PLAN: dict[str, Style] = {
+    "mlp_norm": "norm",
+    "mlp": "region",
+    "mlp.gate": "colwise",
+    "mlp.up": "colwise",
+    "mlp.down": "rowwise",
+}
+MOE_PLAN: dict[str, Style] = {
+    "mlp_norm": "norm",
+    "mlp": "moe",  # region entry/exit, experts split by FFN columns, router gradient summed
+    "mlp.shared.gate": "colwise",
+    "mlp.shared.up": "colwise",
+    "mlp.shared.down": "rowwise_partial",  # reduced with the routed experts' output at the exit
+}
+
+
+def tensor_parallel_plan(model: Transformer) -> dict[str, Style]:
+    """Module name -> style for every module of `model` (a whole model or a pipeline chunk)."""
+    plan: dict[str, Style] = {}
+    if model.embed is not None:
+        plan["embed"] = "vocab"
+    for index, block in model.layers.items():
+        parts = dict(ATTENTION_PLAN)
+        parts.update(MOE_PLAN if isinstance(block.mlp, MoE) else MLP_PLAN)
+        if isinstance(block.mlp, MoE) and block.mlp.shared is None:
+            parts = {k: v for k, v in parts.items() if not k.startswith("mlp.shared")}
+        plan.update({f"layers.{index}.{name}": style for name, style in parts.items()})
+    if model.has_head:
+        plan["norm"] = "norm" if model.head is not None else ("norm", "tied_head_input")
+        if model.head is not None:
+            plan["head"] = "vocab_colwise"
+    return plan
+
+
+# ----------------------------------------------------------------------------- applying a plan
+
+
+@dataclass
+class _Applier:
+    """What applying a plan needs and collects: the tp axis, the model, the finalizer work."""
+
+    model: nn.Module
+    axis: Axis
+    config: ModelConfig
+    sequence_parallel: bool
+    # Parameters are named by (module, attribute), not held: materialisation replaces the
+    # meta parameter objects after the plan is applied.
+    sum_over_tp: list[ParamRef] = field(default_factory=list)  # partial on every tp rank
+    repeated: dict[int, list[ParamRef]] = field(default_factory=dict)  # repeat -> kv copies
+
+    @property
+    def entry(self) -> str:
+        return "sequence" if self.sequence_parallel else "replicated"
+
+    def replace_module(self, name: str, new: nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
+
+
+def _shard_placement(old: torch.Tensor, name: str, split: Split, padded: tuple[int, ...] | None = None,
+                     repeat: int = 1) -> Placement:
+    base = get_placement(old, name)
+    if padded is not None:
+        base = replace(base, padded_shape=padded)
+    placement = base.with_split(split, drop_axis="tp")
+    if repeat > 1:
+        repeats = dict(placement.extra.get("repeat", {}), tp=repeat)
+        placement = replace(placement, extra=dict(placement.extra, repeat=repeats))
+    return placement
+
+
+def _colwise(app: _Applier, name: str, module: nn.Linear, count: int | None = None, repeat: int = 1,
+             input_layout: str = "ready", padded_rows: int | None = None) -> nn.Module:
+    """Swap `module` for a column-parallel layer holding chunk (rank // repeat) of `count`."""
+    t = app.axis.size
+    count = count or t
+    rows = padded_rows or module.weight.shape[0]
+    index = app.axis.rank // repeat
+    new = ColumnParallelLinear(module.weight.shape[1], rows // count, app.axis, input_layout, module.weight.device)
+    padded = (rows, module.weight.shape[1]) if padded_rows else None
+    set_placement(new.weight, _shard_placement(module.weight, f"{name}.weight", Split(0, index, count), padded, repeat))
+    if repeat > 1:
+        app.repeated.setdefault(repeat, []).append((new, "weight"))
+    app.replace_module(name, new)
+    return new
+
+
+def _style_colwise(app: _Applier, name: str, module: nn.Module) -> None:
+    _colwise(app, name, module)
+
+
+def _style_colwise_kv(app: _Applier, name: str, module: nn.Module) -> None:
+    """Key/value projections: split by kv heads, each head repeated on tp / kv ranks if needed."""
+    kv, t = app.config.n_kv_heads, app.axis.size
+    if kv % t == 0:
+        _colwise(app, name, module)
+    else:  # tp is a multiple of kv (layout.py checks): rank r holds kv head r // (tp / kv)
+        _colwise(app, name, module, count=kv, repeat=t // kv)
+
+
+def _rowwise(app: _Applier, name: str, module: nn.Linear, output_layout: str) -> None:
+    t = app.axis.size
+    out_features, in_features = module.weight.shape
+    new = RowParallelLinear(in_features // t, out_features, app.axis, output_layout, module.weight.device)
+    set_placement(new.weight, _shard_placement(module.weight, f"{name}.weight", Split(1, app.axis.rank, t)))
+    app.replace_module(name, new)
+
+
+def _style_rowwise(app: _Applier, name: str, module: nn.Module) -> None:
+    _rowwise(app, name, module, app.entry)
+
+
+def _style_rowwise_partial(app: _Applier, name: str, module: nn.Module) -> None:
+    _rowwise(app, name, module, "partial")
+
+
+def _style_region(app: _Applier, name: str, module: nn.Module) -> None:
+    """Enter the region once: its input is copied (or gathered) before the column layers."""
+    axis, layout = app.axis, app.entry
+
+    def enter(_module: nn.Module, args: tuple) -> tuple:
+        return (region_input(args[0], axis, layout),) + tuple(args[1:])
+
+    module.register_forward_pre_hook(enter)
+
+
+def _style_moe(app: _Applier, name: str, module: nn.Module) -> None:
+    """A MoE block as one region: experts split by FFN columns, output reduced once at the exit."""
+    _style_region(app, name, module)
+    axis, layout = app.axis, app.entry
+
+    def leave(_module: nn.Module, _args: tuple, output: tuple) -> tuple:
+        y, aux = output
+        return region_output(y, axis, layout), backward_on_first_rank(aux, axis)
+
+    module.register_forward_hook(leave)
+    _split_experts(app, name, module.experts)
+    app.sum_over_tp.append((module.router.gate, "weight"))
+
+
+def _split_experts(app: _Applier, name: str, experts: nn.Module) -> None:
+    """gate, up (E, f, h) split along f; down (E, h, f) split along f: each expert is column/row parallel."""
+    t, r = app.axis.size, app.axis.rank
+    for attr, dim in (("gate", 1), ("up", 1), ("down", 2)):
+        old = getattr(experts, attr)
+        shape = list(old.shape)
+        shape[dim] //= t
+        new = nn.Parameter(torch.empty(shape, device=old.device))
+        set_placement(new, _shard_placement(old, f"{name}.experts.{attr}", Split(dim, r, t)))
+        setattr(experts, attr, new)
+
+
+def _style_norm(app: _Applier, name: str, module: nn.Module) -> None:
+    """Under sequence parallel a norm sees 1/tp of the tokens: its weight gradient is summed."""
+    if app.sequence_parallel:
+        app.sum_over_tp.append((module, "weight"))
+
+
+def _style_vocab(app: _Applier, name: str, module: nn.Embedding) -> None:
+    t, r = app.axis.size, app.axis.rank
+    vocab, hidden = module.weight.shape
+    rows = padded_vocab(vocab, t)
+    new = VocabParallelEmbedding(rows // t, hidden, r * (rows // t), app.axis, app.entry, module.weight.device)
+    set_placement(new.weight, _shard_placement(module.weight, f"{name}.weight", Split(0, r, t), (rows, hidden)))
+    app.replace_module(name, new)
+
+
+def _style_vocab_colwise(app: _Applier, name: str, module: nn.Module) -> None:
+    """The output head: column parallel over the padded vocabulary, entered on its own."""
+    _colwise(app, name, module, input_layout=app.entry, padded_rows=padded_vocab(module.weight.shape[0], app.axis.size))
+
+
+def _style_tied_head_input(app: _Applier, name: str, module: nn.Module) -> None:
+    """A tied head has no module of its own: its input (the final norm's output) is entered here."""
+    axis, layout = app.axis, app.entry
+    module.register_forward_hook(lambda _m, _a, out: region_input(out, axis, layout))
+
+
+STYLES: dict[str, Callable[[_Applier, str, nn.Module], None]] = {
+    "colwise": _style_colwise,
+    "colwise_kv": _style_colwise_kv,
+    "rowwise": _style_rowwise,
+    "rowwise_partial": _style_rowwise_partial,
+    "region": _style_region,
+    "moe": _style_moe,
+    "norm": _style_norm,
+    "vocab": _style_vocab,
+    "vocab_colwise": _style_vocab_colwise,
+    "tied_head_input": _style_tied_head_input,
+}
+
+
+def apply_plan(model: nn.Module, plan: dict[str, Style], axis: Axis, config: ModelConfig,
+               sequence_parallel: bool) -> list[Finalizer]:
+    """Apply `plan` (module name -> style) to `model` in place; return the gradient finalizers."""
+    app = _Applier(model, axis, config, sequence_parallel)
+    for name, style in plan.items():
+        for one in (style,) if isinstance(style, str) else style:
+            if one not in STYLES:
+                raise ValueError(f"unknown tensor-parallel style {one!r} for {name}; use one of {', '.join(STYLES)}")
+            STYLES[one](app, name, model.get_submodule(name))
+    return _finalizers(app)
+
+
+def apply_tensor_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[Finalizer]:
+    """Tensor (and sequence) parallelism for one model chunk, built on the meta device."""
+    return apply_plan(chunk, tensor_parallel_plan(chunk), mesh.tp, config.model, config.layout.sequence_parallel)
+
+
+# ----------------------------------------------------------------------------- gradient finalizers
+
+
+def _finalizers(app: _Applier) -> list[Finalizer]:
+    out: list[Finalizer] = []
+    axis = app.axis
+    if app.sum_over_tp:
+        out.append(partial(_sum_over_axis, list(app.sum_over_tp), axis))
+    for repeat, refs in app.repeated.items():
+        out.append(partial(_sum_over_repeats, list(refs), axis, repeat))
+    return out
+
+
+def _sum_over_axis(refs: list[ParamRef], axis: Axis) -> None:
+    sum_grads_over_axis(_resolve(refs), axis)
+
+
+def _sum_over_repeats(refs: list[ParamRef], axis: Axis, repeat: int) -> None:
+    sum_grads_over_repeats(_resolve(refs), axis, repeat)
+
+
+def _resolve(refs: list[ParamRef]) -> list[nn.Parameter]:
+    return [getattr(module, attr) for module, attr in refs]
+
+
+def _flat_grads(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def _write_back(params: Iterable[nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+@torch.no_grad()
+def sum_grads_over_axis(params: list[nn.Parameter], axis: Axis) -> None:
+    """Sum partial gradients over the axis (one all-reduce of all of them)."""
+    if axis.size == 1 or not params:
+        return
+    flat = _flat_grads(params)
+    comm.all_reduce(flat, axis)
+    _write_back(params, flat)
+
+
+@torch.no_grad()
+def sum_grads_over_repeats(params: list[nn.Parameter], axis: Axis, repeat: int) -> None:
+    """Sum the gradients of a chunk held by `repeat` consecutive ranks, over those ranks only.
+
+    One all-reduce over the whole axis of a (groups, n) buffer in which each rank fills the
+    row of its group: rows of other groups stay zero, so every group gets its own sum.
+    """
+    groups, mine = axis.size // repeat, axis.rank // repeat
+    flat = _flat_grads(params)
+    buffer = flat.new_zeros(groups, flat.numel())
+    buffer[mine] = flat
+    comm.all_reduce(buffer, axis)
+    _write_back(params, buffer[mine])
+
+
+# ----------------------------------------------------------------------------- analytic volume
+
+
+def _ring_wire(op: str, elements: int, n: int, element_bytes: int) -> int:
+    """Wire bytes of one call, exactly as comm.py counts it (elements: the full buffer)."""
+    nbytes = elements * element_bytes
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    return (n - 1) * (nbytes // n)  # all-gather of nbytes/n per rank, or reduce-scatter of nbytes
+
+
+def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
+    """Bytes one rank sends on the tp axis in one training step, by collective (fp32, pp = cp = 1).
+
+    Per micro-batch of b sequences of s tokens, with x = b*s*h elements:
+      without sequence parallel: embedding all-reduce forward (x); per layer two all-reduces
+        forward (attention and MLP exits) and two backward (their entries); the head's entry
+        all-reduce backward (x);
+      with sequence parallel each all-reduce becomes an all-gather + reduce-scatter pair: the
+        embedding reduce-scatters forward and all-gathers backward, each region all-gathers
+        and reduce-scatters in both passes, the head all-gathers forward and reduce-scatters
+        backward;
+      the loss: an all-reduce of the row maxima (b*s) and one of [sum exp, target logit] (2*b*s).
+    Once per step: the gradient finalizers (norm weights under sequence parallel and MoE
+    routers in one all-reduce, the kv heads shared by tp / kv ranks in a (kv, n) buffer) and
+    the training loop's MoE statistics ((E + 1) float64 per MoE layer).
+    """
+    model, layout, train = config.model, config.layout, config.train
+    n, fp32 = layout.tp, 4
+    if n == 1:
+        return {}
+    b, s, h = layout.micro_batch, train.seq_len, model.hidden
+    x = b * s * h
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.layers))
+    calls: list[tuple[str, int, int]] = []  # (op, elements, element bytes) per micro-batch
+    if layout.sequence_parallel:
+        pair = [("all_gather", x, fp32), ("reduce_scatter", x, fp32)]
+        calls += pair  # embedding (forward RS, backward AG)
+        calls += pair * 4 * model.layers  # two regions, each AG + RS forward and RS + AG backward
+        calls += pair  # head entry
+    else:
+        calls += [("all_reduce", x, fp32)] * (1 + 4 * model.layers + 1)
+    calls += [("all_reduce", b * s, fp32), ("all_reduce", 2 * b * s, fp32)]  # the loss
+    calls = calls * layout.grad_accum
+    summed = model.layers * 2 * h + h if layout.sequence_parallel else 0  # norm weights
+    summed += moe_layers * model.num_experts * h  # routers
+    if summed:
+        calls.append(("all_reduce", summed, fp32))
+    kv = model.n_kv_heads
+    if kv % n:
+        local_kv = 2 * model.layers * model.head_dim * h  # wk and wv: one kv head each
+        calls.append(("all_reduce", kv * local_kv, fp32))
+    calls += [("all_reduce", model.num_experts + 1, 8)] * moe_layers
+    out: dict[str, int] = {}
+    for op, elements, element_bytes in calls:
+        out[op] = out.get(op, 0) + _ring_wire(op, elements, n, element_bytes)
+    return out

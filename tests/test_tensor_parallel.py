@@ -1,0 +1,194 @@
+"""Tensor and sequence parallelism: parity with one process, exact tp traffic, activation memory.
+
+Parity runs set `train.eps=1e-6` (the presets use 1e-8). Reason, measured: an element whose
+gradient is below Adam's eps moves by lr * g / (|g| + eps), so a rounding-level difference
+in g (a few 1e-10 here, from summing partial products over tp ranks in another order) is
+multiplied by lr / eps = 1e6 and can exceed the parameter bound although every gradient
+agrees to 1e-7 of its tensor's scale. With eps = 1e-6 the same noise moves parameters by
+~1e-6; the tolerances themselves are untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from fivefold.activation_memory import activation_bytes_per_layer, measure_saved_bytes
+from fivefold.config import Layout, load_config
+from fivefold.layout import LayoutError, validate
+from fivefold.mesh import Axis, CommStats, Mesh
+from fivefold.model import Transformer
+from fivefold.parallel.sharding import Placement, Split, is_primary, replica_count
+from fivefold.parallel.tensor_parallel import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, apply_plan, padded_vocab,
+    tensor_parallel_plan, tp_wire_bytes_per_step,
+)
+
+STEPS = 2
+HAS_DP = importlib.util.find_spec("fivefold.parallel.data_parallel") is not None
+
+
+def _config(preset: str, *overrides: str):
+    return load_config(preset, ["train.eps=1e-6", *overrides])
+
+
+# ----------------------------------------------------------------------------- pure logic
+
+
+def test_bad_layouts_are_rejected_with_values_that_work():
+    cases = {
+        ("layout.tp=3",): "use one of 1, 2, 4, 8",  # heads
+        ("layout.tp=4", "model.hidden=50"): "not divisible by model.heads=8",  # hidden
+        ("layout.tp=4", "model.heads=12", "model.kv_heads=3", "model.hidden=96"): "use one of 1, 3",  # kv heads
+        ("layout.tp=4", "model.ffn_hidden=130"): "use one of 1, 2, 5",  # FFN
+        ("layout.tp=4", "model.num_experts=4", "model.expert_ffn_hidden=66"): "expert FFN",
+        ("layout.tp=8", "model.vocab_size=9"): "use tp <= 5",  # vocabulary
+        ("layout.tp=4", "layout.sequence_parallel=true", "train.seq_len=30"): "multiple of 4 (e.g. 28, 32), or tp in 2",
+        ("layout.sequence_parallel=true",): "needs tp > 1",
+    }
+    for overrides, expected in cases.items():
+        with pytest.raises(LayoutError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            validate(load_config("tiny", list(overrides)))
+    validate(load_config("tiny", ["layout.tp=8", "model.vocab_size=259", "layout.sequence_parallel=true"]))
+
+
+def _fake_axis(size: int, rank: int, name: str = "tp") -> Axis:
+    return Axis(name, None, size, rank, list(range(size)), CommStats())
+
+
+def test_plan_is_data_and_sets_placements():
+    """The plan names every module; applying it on the meta device gives local shapes and placements."""
+    config = load_config("tiny-moe", ["model.vocab_size=259"]).model
+    with torch.device("meta"):
+        model = Transformer(config)
+    plan = tensor_parallel_plan(model)
+    assert plan["embed"] == "vocab" and plan["head"] == "vocab_colwise" and plan["norm"] == "norm"
+    assert plan["layers.0.attn.wq"] == "colwise" and plan["layers.0.attn.wo"] == "rowwise"
+    assert plan["layers.0.mlp"] == "moe" and plan["layers.0.mlp.shared.down"] == "rowwise_partial"
+    finalizers = apply_plan(model, plan, _fake_axis(4, 3), config, sequence_parallel=True)
+    attn, moe = model.layers["1"].attn, model.layers["1"].mlp
+    assert isinstance(attn.wq, ColumnParallelLinear) and attn.wq.weight.shape == (16, 64)
+    assert isinstance(attn.wo, RowParallelLinear) and attn.wo.weight.shape == (64, 16)
+    kv = attn.wk.weight._fivefold_placement  # 2 kv heads over tp=4: rank 3 holds head 1, shared by 2 ranks
+    assert kv.splits == (Split(0, 1, 2),) and kv.extra["repeat"] == {"tp": 2} and "tp" not in kv.replicated_over
+    assert moe.experts.gate.shape == (8, 16, 64) and moe.experts.down.shape == (8, 64, 16)
+    assert isinstance(model.embed, VocabParallelEmbedding) and model.embed.weight.shape == (65, 64)
+    head = model.head.weight._fivefold_placement
+    assert head.padded_shape == (260, 64) and head.global_shape == (259, 64) and head.splits == (Split(0, 3, 4),)
+    assert model.layers["0"].attn_norm.weight.shape == (64,)  # norms stay whole
+    assert len(finalizers) == 2  # norms + routers summed over tp; kv heads summed over their pairs
+    assert padded_vocab(259, 4) == 260 and padded_vocab(256, 8) == 256
+
+
+def test_repeated_kv_heads_count_once():
+    class FakeMesh:
+        def __init__(self, tp_rank: int) -> None:
+            self.axes = {"tp": _fake_axis(4, tp_rank), "dp_cp": _fake_axis(2, 1, "dp_cp")}
+
+        def __getitem__(self, name: str) -> Axis:
+            return self.axes[name]
+
+    placement = Placement("wk", (16, 64), (Split(0, 1, 2),), None, ("dp_cp",), {"repeat": {"tp": 2}})
+    assert replica_count(placement, FakeMesh(2)) == 4  # 2 dp_cp replicas x 2 tp ranks holding head 1
+    assert not is_primary(placement, FakeMesh(2))  # dp_cp rank 1 is never primary
+    placement = Placement("wk", (16, 64), (Split(0, 1, 2),), None, (), {"repeat": {"tp": 2}})
+    assert is_primary(placement, FakeMesh(2)) and not is_primary(placement, FakeMesh(3))
+
+
+# ----------------------------------------------------------------------------- parity and traffic
+
+
+def _trace_with_tp_wire(ctx, config, steps: int):
+    from fivefold.parity import train_trace
+
+    resolved = validate(config, ctx.world_size)
+    mesh = ctx.mesh(resolved.layout)
+    trace = train_trace(resolved, mesh, steps)
+    wire = {op: v for (axis, op), v in mesh.stats.wire.items() if axis == "tp"}
+    return trace if ctx.rank == 0 else None, wire, tp_wire_bytes_per_step(resolved)
+
+
+def _check(pools, reference, config, world: int) -> None:
+    from fivefold.parity import assert_parity
+
+    results = pools.run(world, _trace_with_tp_wire, config, STEPS)
+    assert_parity(reference(config, STEPS), results[0][0])
+    for _, measured, analytic in results:  # every rank moves the analytic volume, to the byte
+        assert measured == {op: STEPS * v for op, v in analytic.items()}
+
+
+CASES = {  # id: (world, preset, overrides)
+    "tp2-dense-pad": (2, "tiny", ("layout.tp=2", "model.vocab_size=259")),
+    "tp2-sp-moe": (2, "tiny-moe", ("layout.tp=2", "layout.sequence_parallel=true")),
+    "tp4-sp-dense-kv<tp-pad-accum": (4, "tiny", ("layout.tp=4", "layout.sequence_parallel=true",
+                                                 "model.vocab_size=259", "layout.grad_accum=2")),
+    "tp4-moe-kv<tp": (4, "tiny-moe", ("layout.tp=4",)),
+    "tp8-sp-moe-kv<tp-pad": (8, "tiny-moe", ("layout.tp=8", "layout.sequence_parallel=true", "model.vocab_size=259")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_and_exact_tp_traffic(pools, reference, case):
+    world, preset, overrides = CASES[case]
+    _check(pools, reference, _config(preset, *overrides), world)
+
+
+DP_REASON = "fivefold.parallel.data_parallel is not importable yet (data parallel / ZeRO land separately)"
+
+
+@pytest.mark.skipif(not HAS_DP, reason=DP_REASON)
+@pytest.mark.parametrize("world,preset,overrides", [
+    (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=1", "layout.sequence_parallel=true")),
+    (8, "tiny-moe", ("layout.dp=2", "layout.tp=4", "layout.zero=3", "layout.sequence_parallel=true")),
+])
+def test_parity_with_data_parallel_and_zero(pools, reference, world, preset, overrides):
+    from fivefold.parity import assert_parity
+
+    from helpers import trace_on_rank
+
+    config = _config(preset, *overrides)
+    assert_parity(reference(config, STEPS), pools.run(world, trace_on_rank, config, STEPS)[0])
+
+
+# ----------------------------------------------------------------------------- activation memory
+
+
+def _saved_bytes(config, mesh: Mesh) -> list[int]:
+    """Bytes each layer saves for backward in one forward pass of a micro-batch."""
+    from fivefold.parallel.sharding import materialize
+    from fivefold.parallel.tensor_parallel import apply_tensor_parallel
+
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    if config.layout.tp > 1:
+        apply_tensor_parallel(model, mesh, config)
+    materialize(model, config.model, config.train.seed)
+    ids = torch.randint(0, config.model.vocab_size, (2, config.train.seq_len), generator=torch.Generator().manual_seed(0))
+    measured = measure_saved_bytes(model, lambda: model(ids), dict(model.layers.items()))
+    return list(measured.per_layer.values())
+
+
+def _measure_layouts(ctx, layouts: list[Layout]):
+    config = load_config("tiny")
+    return [_saved_bytes(config.replace(layout=layout), ctx.mesh(layout)) for layout in layouts]
+
+
+def test_activation_memory_measured_equals_derived(pools):
+    """Saved-tensor hooks on every layer give exactly the per-tensor derivation, tp = 1, 2, 4, +-SP."""
+    config = load_config("tiny")
+    layouts = [Layout(tp=4), Layout(tp=4, sequence_parallel=True), Layout(tp=2, dp=2),
+               Layout(tp=2, dp=2, sequence_parallel=True)]
+    results = pools.run(4, _measure_layouts, layouts)
+    measured = {layout: results[0][i] for i, layout in enumerate(layouts)}
+    measured[Layout()] = _saved_bytes(config, Mesh.single())
+    for layout, per_layer in measured.items():
+        derived = activation_bytes_per_layer(config.model, layout, micro_batch=2, seq_len=config.train.seq_len)
+        assert per_layer == [derived] * config.model.layers, layout
+    b, s, h, a, f = 2, config.train.seq_len, config.model.hidden, config.model.heads, config.model.ffn
+    for t in (1, 2, 4):  # the closed forms of fivefold.activation_memory
+        tp = Layout(tp=t, dp=4 // t)
+        assert activation_bytes_per_layer(config.model, tp, b, s) == 4 * b * s * (h * 6 + (4 * h + 4 * f) // t + 2 + a // t)
+    sp = Layout(tp=4, sequence_parallel=True)
+    assert activation_bytes_per_layer(config.model, sp, b, s) == 4 * b * s * (2 * h + (8 * h + 4 * f) // 4) + 4 * b * s * (2 + a) // 4
