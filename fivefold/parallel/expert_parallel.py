@@ -20,18 +20,13 @@ Gradients: expert weights are `replicated_over` ("edp",) (and "tp" when not tp-s
 data-parallel optimizer sums their gradients over expert-data-parallel ranks (and ZeRO shards
 their state there); every other parameter keeps its dp x cp placement.
 
-Tensor parallel (runs first in parallelize.py): when TP has split each expert's ffn dimension
-(a Split on dim 1 of gate/up, dim 2 of down, "tp" dropped from `replicated_over`), the EP
-split on dim 0 is added after it: `Placement.splits` = (tp split of the ffn dim, ep split of
-the expert dim). The dispatcher then owns the expert path's tp collectives, so TP must not add
-any around `experts` when ep > 1:
-- without sequence parallel, tokens are replicated over tp: the received rows enter the
-  experts through `copy_to(tp)` and leave through `reduce_from(tp)` (partial ffn sums);
-- with sequence parallel, tokens stay sequence-split: the dispatcher all-gathers them over tp
-  on entry and reduce-scatters the slot outputs on exit, so the MoE's input and output keep
-  their sequence split; routing runs on the local chunk, and `sequence_split_hooks` make
-  capacity and auxiliary losses per whole sequence (installed here for tp; the context-
-  parallel code can install them for contiguous cp chunks too).
+Tensor parallel (runs first in parallelize.py) splits each expert's ffn dimension (a Split on
+dim 1 of gate/up, dim 2 of down) and wraps the whole MoE block as one tp region: inside it
+every tp rank holds the same whole tokens (gathered first under sequence parallel) and the
+block's output, partial over the ffn shards, is reduced on exit. The EP split on dim 0 is
+added after the tp split (`Placement.splits` = (tp split, ep split)), and the dispatcher needs
+no tp communication of its own: each tp rank exchanges its tokens with the ranks of its own ep
+group, which share its tp coordinate.
 The dispatcher also works with ep = 1, so the same code path serves TP-only MoE layers.
 """
 
@@ -138,11 +133,9 @@ class ExpertParallelDispatcher(nn.Module):
     the dispatches since the last `reset_counters()`: the routing behind the all-to-all bytes.
     """
 
-    def __init__(self, ep: Axis, tp: Axis, num_experts: int, tp_split: bool, sequence_parallel: bool) -> None:
+    def __init__(self, ep: Axis, num_experts: int) -> None:
         super().__init__()
-        self.ep, self.tp, self.num_experts = ep, tp, num_experts
-        self.tp_split = tp_split and tp.size > 1
-        self.sequence_parallel = sequence_parallel and self.tp_split
+        self.ep, self.num_experts = ep, num_experts
         self.sent_counts = torch.zeros(num_experts, dtype=torch.int64)
         self.calls = 0
 
@@ -152,20 +145,13 @@ class ExpertParallelDispatcher(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x (N, h); expert_ids, keep (N, k). Returns per-slot outputs (N*k, h), zero where dropped."""
-        if self.sequence_parallel:  # tp-split experts need every token of the tp group
-            x = comm.all_gather_to_full(x, self.tp, 0)
-            expert_ids = comm.all_gather(expert_ids.contiguous(), self.tp, 0)
-            keep = comm.all_gather(keep.to(torch.uint8).contiguous(), self.tp, 0).bool()
         N, k = expert_ids.shape
         order, counts = dispatch_order(expert_ids.reshape(-1), keep.reshape(-1), self.num_experts)
         with torch.no_grad():
             self.sent_counts += counts.cpu()
             self.calls += 1
         rows = self._exchange_and_compute(x[order // k], counts, experts)  # (S_kept, h)
-        slots = unpermute(rows, order, N * k)  # (N*k, h)
-        if self.sequence_parallel:  # sum the partial ffn outputs and keep this rank's chunk
-            slots = comm.reduce_scatter_to_shard(slots, self.tp, 0)
-        return slots
+        return unpermute(rows, order, N * k)  # (N*k, h)
 
     def _exchange_and_compute(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """Rows (S_kept, h) ordered by global expert -> expert outputs, in the same order."""
@@ -177,67 +163,12 @@ class ExpertParallelDispatcher(nn.Module):
         received = comm.all_to_all_autograd(rows, self.ep, send_splits, recv_splits)  # (R, h)
         order, expert_counts = regroup_by_local_expert(recv_counts)
         grouped = received.index_select(0, order)
-        if self.tp_split and not self.sequence_parallel:
-            grouped = comm.copy_to(grouped, self.tp)
-        out = experts(grouped, expert_counts)  # (R, h), partial sums over the ffn shards when tp-split
-        if self.tp_split and not self.sequence_parallel:
-            out = comm.reduce_from(out, self.tp)
+        out = experts(grouped, expert_counts)  # (R, h), partial over the ffn shards when tp-split
         out = out.index_select(0, inverse_permutation(order))  # back to (source, expert) order
         return comm.all_to_all_autograd(out, self.ep, recv_splits, send_splits)
 
 
-# ----------------------------------------------------------------------------- per-sequence hooks
-
-
-def sequence_split_hooks(
-    mesh: Mesh, axes: Sequence[str], num_experts: int
-) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
-    """`token_stats_reduce` and `capacity_offsets` for sequences cut into contiguous chunks.
-
-    `axes` split each sequence, outer first (e.g. ("cp", "tp") for context-parallel chunks
-    split again by sequence parallel): this rank's chunk index is the mixed-radix number of its
-    ranks on those axes. Not for zigzag (ring) chunks, whose two halves are not contiguous.
-    """
-    split = [mesh[a] for a in axes if mesh[a].size > 1]
-
-    def stats_reduce(stats: torch.Tensor) -> torch.Tensor:
-        # Forward sum, backward identity: every chunk's rank adds the whole-sequence auxiliary
-        # loss to its own loss, and the gradients that reach its router from its own tokens
-        # are summed over ranks later (data parallel or the sequence-parallel finalizer), so
-        # the auxiliary loss is counted once.
-        for axis in split:
-            stats = comm.reduce_from(stats, axis)
-        return stats
-
-    def capacity_offsets(expert_ids: torch.Tensor) -> torch.Tensor:
-        """expert_ids (B, t, k) of this chunk -> offsets (B, k, E) for `capacity_keep`."""
-        per_choice = nn.functional.one_hot(expert_ids, num_experts).sum(dim=1)  # (B, k, E)
-        chunks, index = per_choice[None], 0
-        for axis in reversed(split):  # innermost first, so the outer axis ends up major
-            chunks = comm.all_gather(chunks.contiguous(), axis, 0)
-        for axis in split:
-            index = index * axis.size + axis.rank
-        return chunk_capacity_offsets(chunks, index)
-
-    return stats_reduce, capacity_offsets
-
-
-def install_sequence_split_hooks(chunk: nn.Module, mesh: Mesh, axes: Sequence[str]) -> None:
-    """Make capacity, auxiliary losses and statistics of every MoE layer per whole sequence
-    when its tokens are split over `axes` (see `sequence_split_hooks`)."""
-    for moe in chunk.moe_layers().values():
-        moe.token_stats_reduce, moe.capacity_offsets = sequence_split_hooks(mesh, axes, moe.num_experts)
-        # every rank of these axes routes distinct tokens: their statistics add up
-        # (dp_cp already covers cp)
-        extra = tuple(a for a in axes if a != "cp")
-        moe.stats_axes = tuple(dict.fromkeys(("dp_cp",) + tuple(getattr(moe, "stats_axes", ()) or ()) + extra))
-
-
 # ----------------------------------------------------------------------------- applying it
-
-
-def _is_tp_split(placement: Placement, tp: int) -> bool:
-    return tp > 1 and any(s.dim != 0 and s.count == tp for s in placement.splits)
 
 
 def _shard_expert_weight(owner: nn.Module, attr: str, name: str, mesh: Mesh) -> Placement:
@@ -256,37 +187,20 @@ def _shard_expert_weight(owner: nn.Module, attr: str, name: str, mesh: Mesh) -> 
     return placement
 
 
-def _sum_grads_over(params: list[torch.Tensor], axis: Axis) -> Callable[[], None]:
-    def finalize() -> None:
-        for p in params:
-            if p.grad is not None:
-                comm.all_reduce(p.grad, axis)
-
-    return finalize
-
-
 def apply_expert_parallel(chunk: nn.Module, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
     """Shard every MoE layer's experts over mesh.ep and swap in the all-to-all dispatcher.
 
-    Runs on the meta-device model, after tensor parallel and before materialisation. Returns
-    the gradient finalizers the optimizer must run (only with sequence parallel and experts TP
-    left whole: their gradients then come from distinct tokens on each tp rank).
+    Runs on the meta-device model, after tensor parallel and before materialisation. Expert
+    gradients need no finalizer: the data-parallel optimizer sums them over "edp".
     """
-    layout = config.layout
     if config.model.num_experts % mesh.ep.size:
         raise ValueError(f"{config.model.num_experts} experts do not split over ep={mesh.ep.size}")
-    sequence_split = layout.sequence_parallel and mesh.tp.size > 1
-    finalizers: list[Callable[[], None]] = []
     for layer, moe in chunk.moe_layers().items():
         prefix = f"layers.{layer}.mlp.experts."
-        placements = [_shard_expert_weight(moe.experts, a, prefix + a, mesh) for a in ("gate", "up", "down")]
-        tp_split = _is_tp_split(placements[0], mesh.tp.size)
-        moe.dispatcher = ExpertParallelDispatcher(mesh.ep, mesh.tp, moe.num_experts, tp_split, sequence_split)
-        if sequence_split and not tp_split:
-            finalizers.append(_sum_grads_over([moe.experts.gate, moe.experts.up, moe.experts.down], mesh.tp))
-    if sequence_split and any(m.token_stats_reduce is None for m in chunk.moe_layers().values()):
-        install_sequence_split_hooks(chunk, mesh, ("tp",))
-    return finalizers
+        for attr in ("gate", "up", "down"):
+            _shard_expert_weight(moe.experts, attr, prefix + attr, mesh)
+        moe.dispatcher = ExpertParallelDispatcher(mesh.ep, moe.num_experts)
+    return []
 
 
 def moe_dispatchers(chunks: Sequence[nn.Module]) -> dict[str, ExpertParallelDispatcher]:
@@ -301,6 +215,6 @@ def moe_dispatchers(chunks: Sequence[nn.Module]) -> dict[str, ExpertParallelDisp
 
 __all__ = [
     "ExpertParallelDispatcher", "all_to_all_wire_bytes", "apply_expert_parallel", "chunk_capacity_offsets",
-    "dispatch_order", "install_sequence_split_hooks", "inverse_permutation", "moe_dispatchers", "rank_splits",
-    "regroup_by_local_expert", "sequence_split_hooks", "unpermute",
+    "dispatch_order", "inverse_permutation", "moe_dispatchers", "rank_splits",
+    "regroup_by_local_expert", "unpermute",
 ]
