@@ -1,11 +1,12 @@
 """Tensor and sequence parallelism: parity with one process, exact tp traffic, activation memory.
 
-Parity runs set `train.eps=1e-6` (the presets use 1e-8). Reason, measured: an element whose
-gradient is below Adam's eps moves by lr * g / (|g| + eps), so a rounding-level difference
-in g (a few 1e-10 here, from summing partial products over tp ranks in another order) is
-multiplied by lr / eps = 1e6 and can exceed the parameter bound although every gradient
-agrees to 1e-7 of its tensor's scale. With eps = 1e-6 the same noise moves parameters by
-~1e-6; the tolerances themselves are untouched.
+Parity runs set `train.eps=1e-5` (the presets use 1e-8); the tolerances are untouched.
+Reason, measured: an element whose gradient is below Adam's eps moves by
+lr * g / (|g| + eps), so a rounding-level difference in g (3e-10 at step 0 here, from
+summing partial products over tp ranks in another order; every gradient agrees to ~1e-7 of
+its tensor's scale) is multiplied by lr / eps. With eps = 1e-8 and lr = 1e-2 that is 1e6
+and some elements differ by 3e-5 after one step; with 1e-6 MoE experts (few tokens, small
+gradients) still reach 1.3e-5; with 1e-5 the worst parameter differs by ~1e-6.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ HAS_DP = importlib.util.find_spec("fivefold.parallel.data_parallel") is not None
 
 
 def _config(preset: str, *overrides: str):
-    return load_config(preset, ["train.eps=1e-6", *overrides])
+    return load_config(preset, ["train.eps=1e-5", *overrides])
 
 
 # ----------------------------------------------------------------------------- pure logic
@@ -121,7 +122,8 @@ def _check(pools, reference, config, world: int) -> None:
 
 CASES = {  # id: (world, preset, overrides)
     "tp2-dense-pad": (2, "tiny", ("layout.tp=2", "model.vocab_size=259")),
-    "tp2-sp-moe": (2, "tiny-moe", ("layout.tp=2", "layout.sequence_parallel=true")),
+    "tp2-sp-moe-tied-pad": (2, "tiny-moe", ("layout.tp=2", "layout.sequence_parallel=true",
+                                            "model.tied_embeddings=true", "model.vocab_size=259")),
     "tp4-sp-dense-kv<tp-pad-accum": (4, "tiny", ("layout.tp=4", "layout.sequence_parallel=true",
                                                  "model.vocab_size=259", "layout.grad_accum=2")),
     "tp4-moe-kv<tp": (4, "tiny-moe", ("layout.tp=4",)),

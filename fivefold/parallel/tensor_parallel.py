@@ -21,7 +21,12 @@ Gradients that are partial on each tp rank are summed by grad finalizers (run by
 optimizer's `finish_grad_sync`, once per step): the norm weights under sequence parallel
 (each rank saw only its tokens), the MoE router (each rank saw only its slice of the
 experts' output), and key/value heads that several tp ranks hold when tp exceeds the
-number of kv heads (each copy saw only its rank's query heads).
+number of kv heads (each copy saw only its rank's query heads). A finalizer reads and
+writes `p.grad`, so an optimizer must run them while `p.grad` holds this rank's gradient --
+before or after its own data-parallel reduction, since the two sums commute. Every sharded
+parameter records its `Placement` (tp dropped from `replicated_over`, dp_cp kept; repeated
+kv heads carry `extra["repeat"] = {"tp": tp / kv}`), so data parallel and ZeRO shard and
+reduce them like any other parameter, and the grad norm counts each element once.
 
 Design choices:
 - MoE under sequence parallel gathers the tokens before the block and reduce-scatters after
@@ -180,16 +185,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, axis: Axis, vocab_start: int, vocab_size: int):
         width = logits.shape[-1]
-        columns = torch.arange(vocab_start, vocab_start + width, device=logits.device)
-        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+        if vocab_start + width > vocab_size:  # this rank holds padding columns
+            columns = torch.arange(vocab_start, vocab_start + width, device=logits.device)
+            logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
         row_max = logits.max(dim=-1).values  # (N,)
         comm.all_reduce(row_max, axis, op="max")
-        shifted = logits - row_max.unsqueeze(-1)
-        exp = shifted.exp()  # (N, V/tp)
+        shifted = logits - row_max.unsqueeze(-1)  # (N, V/tp)
         local_target = targets - vocab_start
         mine = (local_target >= 0) & (local_target < width)
         local_target = local_target.masked_fill(~mine, 0)
         target_logit = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        exp = shifted.exp_()  # in place: the shifted logits are not needed any more
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N)
         comm.all_reduce(sums, axis)
         losses = sums[0].log() - sums[1]  # (N,)
@@ -200,10 +206,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, local_target, mine = ctx.saved_tensors
-        g = softmax.clone()
+        g = softmax * grad  # d loss / d logits = (softmax - one_hot(target)) * grad
         rows = torch.arange(g.shape[0], device=g.device)
-        g[rows, local_target] -= mine.to(g.dtype)
-        return g * grad, None, None, None, None
+        g[rows, local_target] -= mine.to(g.dtype) * grad
+        return g, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: Axis, vocab_size: int) -> torch.Tensor:
