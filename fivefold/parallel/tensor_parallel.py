@@ -481,7 +481,11 @@ def _write_back(params: Iterable[nn.Parameter], flat: torch.Tensor) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
+        value = flat[offset : offset + n].view_as(p)
+        if p.grad is None:
+            p.grad = value.clone()
+        else:  # in place: data parallel keeps .grad as a view of its flat bucket
+            p.grad.copy_(value)
         offset += n
 
 

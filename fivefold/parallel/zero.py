@@ -26,10 +26,10 @@ so the per-step communication is that of one batch, at the memory cost of full g
 during accumulation (stage 3 still gathers parameters for every micro-batch).
 
 Gradient finalizers (e.g. summing sequence-parallel norm gradients over tp, tied embeddings
-over pp) are linear sums over other axes, so they commute with the data-parallel sum. Stages
-0-1 run them after the reduction, on the .grad views. Stages 2-3 have no full .grad after
-the reduction, so when finalizers are registered these stages reduce in finish_grad_sync,
-after running them on the full local gradients (correct, but without overlap).
+over pp) are linear sums over other axes, so they commute with the data-parallel sum. Every
+ZeRO stage reduce-scatters a copy of the full local .grad, so when finalizers are registered
+the reductions wait for finish_grad_sync, which runs the finalizers first (correct, without
+overlap; plain data parallel runs them after its all-reduce, on the .grad views).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ZeroAdamW:
         self.grad_finalizers: list[Callable[[], None]] = []
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
         on_complete = self.gatherer.free_bucket if self.gatherer else None
-        defer = lambda: self.stage >= 2 and bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
+        defer = lambda: bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
         self.reducer = BucketReducer(self.buckets, self._launch, on_complete, defer)
         if self.gatherer:
             self.gatherer.free_all()
@@ -137,14 +137,11 @@ class ZeroAdamW:
         return self.reducer.no_sync()
 
     def finish_grad_sync(self) -> None:
-        if self.stage == 1:
-            self.reducer.finish()
-            for finalize in self.grad_finalizers:
-                finalize()
-        else:
-            for finalize in self.grad_finalizers:
-                finalize()
-            self.reducer.finish()
+        # Finalizers (tp sums, tied embeddings) work on the full local .grad, which every stage
+        # hands to its reduce-scatter: they run first, and the reducer defers its launches.
+        for finalize in self.grad_finalizers:
+            finalize()
+        self.reducer.finish()
         if self.gatherer:
             self.gatherer.free_all()
 
