@@ -128,3 +128,20 @@ def test_initialisation_is_deterministic_and_independent_of_construction():
     materialized = materialize(meta, m, SEED).state_dict()
     assert materialized.keys() == full.keys()
     assert all(torch.equal(materialized[k], full[k]) for k in full)
+
+
+def test_global_grad_norm_is_bitwise_the_plain_fp64_sum_of_squares():
+    # global_grad_norm squares its fp64 copy in place (one allocation less than pow(2));
+    # the value, hence clipping and every later step, must not change by a bit.
+    from fivefold.parallel.optim import global_grad_norm
+
+    config = validate(load_config("tiny"))
+    model = build(config, Mesh.single(config.layout), torch.device("cpu"))
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    forward_backward(model, local_micro_batches(model, sampler, 0), torch.device("cpu"))
+    named = list(model.chunks[0].named_parameters())
+    expected = torch.zeros((), dtype=torch.float64)
+    for _, p in named:
+        expected += p.grad.double().pow(2).sum() / 1
+    assert torch.equal(global_grad_norm(named, model.mesh), expected.sqrt())
