@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -35,14 +36,11 @@ from fivefold.config import Config, ModelConfig, load_config  # noqa: E402
 from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
 from fivefold.layout import validate  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.metrics import matmul_operands, model_flops_per_token  # noqa: E402
+from fivefold.metrics import DTYPES, matmul_operands, model_flops_per_token  # noqa: E402
 from fivefold.model import count_parameters  # noqa: E402
 from fivefold.parallel.optim import decays, lr_at  # noqa: E402
 from fivefold.parallelize import ParallelModel  # noqa: E402
 from fivefold.train import build, forward_backward, local_micro_batches, train_step  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fivefold bench single", description=__doc__.split("\n\n")[0])
@@ -217,58 +215,94 @@ def check_same_model(model: ParallelModel, hf, sampler: Sampler) -> dict:
 # --- reporting --------------------------------------------------------------------------------
 
 
-def per_round_ratios(results: dict[str, CaseResult], case: str, baseline: str) -> list[float]:
-    return [a / b for a, b in zip(results[case].seconds, results[baseline].seconds)]
+class CpuClock:
+    """Wraps a case to record the process CPU seconds of each call, beside the wall time that
+    `alternate` records: time spent waiting for a core on a shared machine does not count."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn, self.seconds = fn, []
+
+    def __call__(self) -> None:
+        start = time.process_time()
+        self.fn()
+        self.seconds.append(time.process_time() - start)
 
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(results: dict[str, CaseResult], config: Config, steps: int, matmul_flops: float) -> tuple[list[Comparison], dict]:
+def ratio_spread(times: list[float], baseline: list[float]) -> dict:
+    """Per-round throughput ratio baseline_time / time, summarised."""
+    return spread([b / t for t, b in zip(times, baseline)])
+
+
+def summarize(results: dict[str, CaseResult], cpu: dict[str, list[float]], config: Config, steps: int,
+              matmul_flops: float) -> tuple[list[Comparison], dict]:
     """Two comparisons (train step, fwd+bwd) with tokens/s, per-round ratios and MFU per case."""
     t = config.train
     tokens = steps * t.global_batch * t.seq_len
     step_flops = tokens * model_flops_per_token(config.model, t.seq_len)
     peaks = [matmul_flops / s for s in results["matmul"].seconds]  # FLOP/s, one per round
-    summary = {"matmul_gflops": spread([p / 1e9 for p in peaks]), "model_gflop_per_step": step_flops / steps / 1e9}
+    cpu_peaks = [matmul_flops / s for s in cpu["matmul"]]
+    summary = {
+        "matmul_gflops": spread([p / 1e9 for p in peaks]),
+        "matmul_gflops_cpu_time": spread([p / 1e9 for p in cpu_peaks]),
+        "model_gflop_per_step": step_flops / steps / 1e9,
+    }
     comparisons = []
     for kind, title in (("train", "train step (fwd+bwd+clip+AdamW)"), ("fwd_bwd", "forward + backward only")):
         names = {f"fivefold {kind}": "fivefold", f"transformers {kind}": "transformers"}
-        subset = {label: results[key] for key, label in names.items()}
-        for key, label in names.items():
-            res = results[key]
+        for key in names:
+            res, base = results[key], f"transformers {kind}"
             res.extra["tokens_per_s"] = tokens / res.median
             res.extra["mfu"] = spread([step_flops / s / p for s, p in zip(res.seconds, peaks)])
-            res.extra["ratio_vs_transformers"] = spread(per_round_ratios(results, key, f"transformers {kind}"))
+            res.extra["mfu_cpu_time"] = spread([step_flops / s / p for s, p in zip(cpu[key], cpu_peaks)])
+            res.extra["throughput_vs_transformers"] = ratio_spread(res.seconds, results[base].seconds)
+            res.extra["throughput_vs_transformers_cpu_time"] = ratio_spread(cpu[key], cpu[base])
+            res.extra["cpu_seconds"] = cpu[key]
         meta = {"kind": kind, "dtype": t.dtype, "threads": torch.get_num_threads(), "steps_per_round": steps} | summary
+        subset = {label: results[key] for key, label in names.items()}
         comparisons.append(compare(f"{title}, {config.model.name}, {t.dtype}", subset, "transformers", meta))
     return comparisons, summary
+
+
+def _fmt(s: dict, scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
+    return f"{scale * s['median']:.{digits}f}{unit} [{scale * s['min']:.{digits}f}-{scale * s['max']:.{digits}f}]"
 
 
 def print_report(comparisons: list[Comparison], summary: dict, equivalence: dict, config: Config) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t, mm = config.train, summary["matmul_gflops"]
+    t = config.train
     table = Table(title=f"single process, {config.model.name}, {t.dtype}, batch {t.global_batch} x {t.seq_len}, "
-                        f"{torch.get_num_threads()} threads")
-    for column in ("case", f"median s / {comparisons[0].meta['steps_per_round']} steps", "tokens/s", "fivefold / transformers tokens/s", "MFU"):
+                        f"{torch.get_num_threads()} threads; median \\[min-max] over rounds")
+    steps = comparisons[0].meta["steps_per_round"]
+    for column in ("case", f"wall s / {steps} steps", "tokens/s", "fivefold / transformers tokens/s",
+                   "same, by CPU time", "MFU (wall)", "MFU (CPU time)"):
         table.add_column(column, justify="left" if column == "case" else "right")
     for comparison in comparisons:
         for name, res in comparison.cases.items():
-            r, u = res.extra["ratio_vs_transformers"], res.extra["mfu"]
-            # throughput ratio is the inverse of the time ratio, so its spread swaps ends
-            ratio = f"{1 / r['median']:.3f} [{1 / r['max']:.3f}-{1 / r['min']:.3f}]" if name.startswith("fivefold") else ""
-            mfu = f"{100 * u['median']:.1f}% [{100 * u['min']:.1f}-{100 * u['max']:.1f}]"
-            table.add_row(f"{name} {comparison.meta['kind']}", f"{res.median:.3f}", f"{res.extra['tokens_per_s']:,.0f}", ratio, mfu)
+            x = res.extra
+            ours = name == "fivefold"
+            table.add_row(
+                f"{name} {comparison.meta['kind']}", f"{res.median:.3f}", f"{x['tokens_per_s']:,.0f}",
+                _fmt(x["throughput_vs_transformers"]) if ours else "",
+                _fmt(x["throughput_vs_transformers_cpu_time"]) if ours else "",
+                _fmt(x["mfu"], 100, 1, "%"), _fmt(x["mfu_cpu_time"], 100, 1, "%"),
+            )
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=170)  # a log file keeps whole rows
     console.print(table)
+    params = equivalence["params"]
     console.print(
-        f"parameters: fivefold {equivalence['params']['fivefold']:,}, transformers {equivalence['params']['transformers']:,}; "
+        f"parameters: fivefold {params['fivefold']:,}, transformers {params['transformers']:,}; "
         f"max |logit diff| fp32 {equivalence['max_logit_diff_fp32']:.2e}\n"
-        f"measured {t.dtype} GEMM: {mm['median']:.1f} GFLOP/s [{mm['min']:.1f}-{mm['max']:.1f}]; "
-        f"model {summary['model_gflop_per_step']:.1f} GFLOP per step (fivefold.metrics, PaLM 6N + 12LHQT)"
+        f"measured {t.dtype} GEMM GFLOP/s: wall {_fmt(summary['matmul_gflops'], digits=1)}, "
+        f"CPU time {_fmt(summary['matmul_gflops_cpu_time'], digits=1)}; "
+        f"model {summary['model_gflop_per_step']:.1f} GFLOP per step (fivefold.metrics: 6N + 12LHQT)"
     )
 
 
@@ -285,10 +319,12 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
         "fivefold train": ours["train"], "transformers train": theirs["train"],
         "fivefold fwd_bwd": ours["fwd_bwd"], "transformers fwd_bwd": theirs["fwd_bwd"], "matmul": matmul,
     }
-    results = alternate(cases, warmup=args.warmup, rounds=args.rounds)
+    clocks = {name: CpuClock(fn) for name, fn in cases.items()}
+    results = alternate(clocks, warmup=args.warmup, rounds=args.rounds)
+    cpu = {name: clock.seconds[args.warmup:] for name, clock in clocks.items()}  # drop the warm-up calls
     for res in results.values():
         res.peak_rss_mb = peak_rss_mb()  # one process holds everything: the peak is shared
-    comparisons, summary = summarize(results, config, args.steps, matmul_flops)
+    comparisons, summary = summarize(results, cpu, config, args.steps, matmul_flops)
     for c in comparisons:
         c.meta |= {"equivalence": equivalence, "matmul_reps": reps, "matmul_rounds_s": results["matmul"].seconds}
     print_report(comparisons, summary, equivalence, config)

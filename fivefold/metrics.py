@@ -38,6 +38,8 @@ import torch
 
 from .config import ModelConfig
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype -> matmul dtype
+
 
 def attention_params(m: ModelConfig) -> int:
     """wq, wk, wv, wo of one layer (grouped-query: k and v have n_kv_heads heads)."""
@@ -104,19 +106,32 @@ def measure_matmul_flops(
 ) -> float:
     """FLOP/s of repeated (m, k) @ (k, n) GEMMs, 2 * m * k * n FLOPs each, best of short bursts.
 
-    Runs for about `seconds` (at least two GEMMs) and reports the fastest burst, since on a
-    shared machine the slow ones measure other processes, not the hardware.
+    `seconds` bounds the whole call, warm-up included (one untimed GEMM, then at least one
+    timed one). The fastest burst is reported, since on a shared machine the slow ones
+    measure other processes, not the hardware.
     """
     device = torch.device(device)
+    start_all = time.perf_counter()
     a, b = matmul_operands(size, dtype, device)
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     out = a @ b  # warm-up: thread pool, allocator, kernel selection
     _sync(device)
-    best, deadline, bursts = 0.0, time.perf_counter() + seconds, 0
-    while bursts < 2 or time.perf_counter() < deadline:
+    best = 0.0
+    while best == 0.0 or time.perf_counter() - start_all < seconds:
         start = time.perf_counter()
         torch.matmul(a, b, out=out)
         _sync(device)
         best = max(best, flops / (time.perf_counter() - start))
-        bursts += 1
     return best
+
+
+def peak_flops_for_log(dtype: torch.dtype, device: torch.device, world_size: int) -> float:
+    """A cheap (~0.2 s) measured peak of all `world_size` devices, for the MFU of training logs.
+
+    A 512-cube GEMM on CPU (quick even on a loaded machine), 4096 on accelerators (large
+    enough to reach their matmul peak). Measured while the machine does whatever else it
+    does, so on a shared CPU the logged MFU is indicative; `fivefold bench single`
+    measures the peak alongside the model for a stated number.
+    """
+    size = 512 if device.type == "cpu" else 4096
+    return world_size * measure_matmul_flops(dtype, size=size, seconds=0.2, device=device)

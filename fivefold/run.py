@@ -14,6 +14,7 @@ from .config import Config
 from .data import Sampler, load_tokenizer, load_tokens
 from .layout import validate
 from .mesh import Mesh, device_for
+from .metrics import DTYPES, model_flops_per_token, peak_flops_for_log
 from .parallel.sharding import full_shapes, gather_full_state
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
@@ -86,12 +87,14 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
     log = MetricsLog(run_dir, enabled=is_main)
     if is_main:
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
+    peak = peak_flops_for_log(DTYPES[config.train.dtype], device, mesh.world_size)  # ~0.2 s, once
     records = []
     with _progress(is_main and show_progress, config.train.steps) as progress:
         task = progress.add_task("train", total=config.train.steps, loss=float("nan"), tps=0.0)
         for step in range(config.train.steps):
             result = train_step(model, sampler, step)
-            record = step_record(result)
+            record = step_record(result, flops_per_token, peak)
             if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:
                 record["val_loss"] = evaluate(model, data, config.train.eval_batches)
             records.append(record)

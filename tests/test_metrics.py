@@ -69,6 +69,16 @@ def test_mfu_and_its_input_check():
         mfu(1.0, 1.0, 0.0)
 
 
-def test_measure_matmul_flops_runs_at_least_two_gemms():
+def test_measure_matmul_flops_times_at_least_one_gemm():
     flops = measure_matmul_flops(torch.float32, size=(64, 32, 16), seconds=0.0)
     assert 0 < flops < 1e15  # a finite rate from real timings, whatever the machine and its load
+
+
+def test_step_record_adds_mfu_only_when_the_peak_is_known():
+    from fivefold.train import StepResult, step_record
+
+    result = StepResult(step=3, loss=2.0, aux_loss=0.0, grad_norm=1.0, lr=1e-3, seconds=0.5, tokens=1000)
+    assert "mfu" not in step_record(result)
+    record = step_record(result, flops_per_token=1e6, peak_flops=1e10)
+    assert record["tokens_per_s"] == 2000.0
+    assert record["mfu"] == pytest.approx(2000.0 * 1e6 / 1e10)

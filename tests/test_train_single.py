@@ -14,6 +14,7 @@ from fivefold.layout import validate
 from fivefold.mesh import Mesh
 from fivefold.model import Transformer, build_model
 from fivefold.parallel.sharding import materialize
+from fivefold.parallelize import ParallelModel
 from fivefold.parity import assert_parity, run_reference, train_trace, with_layout
 from fivefold.train import build, forward_backward, local_micro_batches
 
@@ -41,7 +42,7 @@ def test_cli_train_writes_metrics_and_weights_then_generates(tmp_path, capsys):
     assert code == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(20))
-    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in records)
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in records)
     first, last = records[0]["loss"], records[-1]["loss"]
     assert first == pytest.approx(5.545, abs=0.05)  # ln(256): uniform over the bytes at init
     assert sum(r["loss"] for r in records[-3:]) / 3 < first - 1.0, [r["loss"] for r in records]
@@ -60,14 +61,18 @@ def test_grad_accumulation_matches_one_micro_batch():
     assert_parity(reference, accumulated)
 
 
-def one_step_grads(config: Config) -> dict[str, torch.Tensor]:
-    """Gradients of the first step's loss (no optimizer step) on the single-process model."""
+def after_first_backward(config: Config) -> ParallelModel:
+    """The single-process model holding the gradients of step 0's loss (no optimizer step)."""
     config = validate(config)
     model = build(config, Mesh.single(config.layout), torch.device("cpu"))
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
     forward_backward(model, local_micro_batches(model, sampler, 0), torch.device("cpu"))
-    return {n: p.grad.clone() for n, p in model.chunks[0].named_parameters()}
+    return model
+
+
+def one_step_grads(config: Config) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in after_first_backward(config).chunks[0].named_parameters()}
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
@@ -135,11 +140,7 @@ def test_global_grad_norm_is_bitwise_the_plain_fp64_sum_of_squares():
     # the value, hence clipping and every later step, must not change by a bit.
     from fivefold.parallel.optim import global_grad_norm
 
-    config = validate(load_config("tiny"))
-    model = build(config, Mesh.single(config.layout), torch.device("cpu"))
-    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
-    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
-    forward_backward(model, local_micro_batches(model, sampler, 0), torch.device("cpu"))
+    model = after_first_backward(load_config("tiny"))
     named = list(model.chunks[0].named_parameters())
     expected = torch.zeros((), dtype=torch.float64)
     for _, p in named:
