@@ -42,6 +42,7 @@ from fivefold.parallel.optim import decays, lr_at  # noqa: E402
 from fivefold.parallelize import ParallelModel  # noqa: E402
 from fivefold.train import build, forward_backward, local_micro_batches, train_step  # noqa: E402
 
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fivefold bench single", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small", help="dense preset to train (default: small)")
