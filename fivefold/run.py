@@ -15,6 +15,7 @@ from .config import Config
 from .data import Sampler, TokenData, load_tokenizer, load_tokens
 from .layout import validate
 from .mesh import Mesh, device_for
+from .metrics import DTYPES, model_flops_per_token, peak_flops_for_log
 from .parallel.sharding import full_shapes, gather_full_state
 from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
@@ -112,13 +113,15 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
     from .checkpoint import StopRequest, kill_hook_for_tests
 
     records, stop, stopping = [], StopRequest(), False
+    flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
+    peak = peak_flops_for_log(DTYPES[config.train.dtype], model.extras["device"], model.mesh.world_size)  # ~0.2 s, once
     task = progress.add_task("train", total=config.train.steps, completed=start, loss=float("nan"), tps=0.0)
     try:
         traced_step = min(max(start, 2), config.train.steps - 1) if config.train.trace else -1  # after warm-up
         for step in range(start, config.train.steps):
             with trace_step(model, run_dir, enabled=step == traced_step):
                 result = train_step(model, sampler, step)
-            record = step_record(result)
+            record = step_record(result, flops_per_token, peak)
             if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:
                 record["val_loss"] = evaluate(model, data, config.train.eval_batches)
             records.append(record)

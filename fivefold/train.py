@@ -21,6 +21,7 @@ import torch
 from .config import Config
 from .data import Sampler, TokenData, micro_batches
 from .mesh import Mesh
+from .metrics import mfu
 from .parallel import comm
 from .parallel.optim import lr_at
 from .parallelize import MicroBatch, ParallelModel, parallelize
@@ -192,7 +193,11 @@ class MetricsLog:
             self.tb.close()
 
 
-def step_record(result: StepResult) -> dict[str, Any]:
+def step_record(result: StepResult, flops_per_token: float = 0.0, peak_flops: float = 0.0) -> dict[str, Any]:
+    """The metrics.jsonl line of a step; "mfu" when the model FLOPs and the devices' peak are known.
+
+    flops_per_token: fivefold.metrics.model_flops_per_token; peak_flops: of all devices of the run.
+    """
     record = {
         "step": result.step,
         "loss": result.loss,
@@ -201,6 +206,8 @@ def step_record(result: StepResult) -> dict[str, Any]:
         "step_seconds": result.seconds,
         "tokens_per_s": result.tokens / result.seconds if result.seconds else 0.0,
     }
+    if flops_per_token and peak_flops and result.seconds:
+        record["mfu"] = mfu(record["tokens_per_s"], flops_per_token, peak_flops)
     if result.moe:
         record["aux_loss"] = result.aux_loss
         record["moe"] = result.moe

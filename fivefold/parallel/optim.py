@@ -72,7 +72,7 @@ def global_grad_norm(named: list[tuple[str, torch.Tensor]], mesh: Mesh) -> torch
         if param.grad is None:
             continue
         r = replica_count(get_placement(param, name), mesh)
-        total += param.grad.detach().double().pow(2).sum().cpu() / r
+        total += param.grad.detach().double().pow_(2).sum().cpu() / r  # squares the fresh fp64 copy in place
     if mesh.world.size > 1:
         comm.all_reduce(total, mesh.world)
     return total.sqrt()
