@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--case", default="", help="run one case alone (for its peak RSS)")
-    parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. when DeepSpeed cannot run)")
+    parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. DeepSpeed's)")
     parser.add_argument("--json", default="runs/bench/dp.json")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.global_batch=8")
     args = parser.parse_args()
@@ -185,7 +185,8 @@ def report(args, config: Config, results: dict, rss: list[float]) -> None:
     meta = {"preset": "small", "dp": 2, "global_batch": config.train.global_batch, "seq_len": config.train.seq_len}
     if args.case:
         res = results[args.case]
-        print(f"{args.case}: median step {res.median:.3f} s; peak RSS per rank MB: {', '.join(f'{r:.0f}' for r in rss)}")
+        per_rank = ", ".join(f"{r:.0f}" for r in rss)
+        print(f"{args.case}: median step {res.median:.3f} s; peak RSS per rank MB: {per_rank}")
         return
     comparisons = []
     for ours, peers in PAIRS.items():

@@ -265,7 +265,10 @@ def test_single_rank_data_parallel_matches_replicated_optimizer():
     from fivefold.parallel.optim import ReplicatedAdamW
 
     models = [tiny_model(), tiny_model()]
-    opts = [ReplicatedAdamW([models[0]], Mesh.single(), SETTINGS), DataParallelAdamW([models[1]], Mesh.single(), SETTINGS, 0.02)]
+    opts = [
+        ReplicatedAdamW([models[0]], Mesh.single(), SETTINGS),
+        DataParallelAdamW([models[1]], Mesh.single(), SETTINGS, bucket_mb=0.02),
+    ]
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     norms = []
     for model, opt in zip(models, opts):

@@ -272,7 +272,9 @@ class BucketReducer:
     def _reset(self) -> None:
         self.ready = [0] * len(self.buckets)
         self.launched = [False] * len(self.buckets)
-        self.next_by_axis = {b.axis.name: [x.index for x in self.buckets if x.axis.name == b.axis.name] for b in self.buckets}
+        self.next_by_axis: dict[str, list[int]] = {}
+        for bucket in self.buckets:
+            self.next_by_axis.setdefault(bucket.axis.name, []).append(bucket.index)
 
     def _hook(self, bucket: FlatBucket, seg: Segment) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -462,7 +464,10 @@ class DataParallelAdamW:
 
 
 def optimizer_state_dict(
-    buckets: list[FlatBucket], states: list[tuple[torch.Tensor, torch.Tensor]], ranges: list[tuple[int, int]], steps: int
+    buckets: list[FlatBucket],
+    states: list[tuple[torch.Tensor, torch.Tensor]],
+    ranges: list[tuple[int, int]],
+    steps: int,
 ) -> dict:
     """Optimizer state per parameter name as flat shards with their offsets.
 
@@ -487,7 +492,10 @@ def optimizer_state_dict(
 
 
 def load_optimizer_state(
-    buckets: list[FlatBucket], states: list[tuple[torch.Tensor, torch.Tensor]], ranges: list[tuple[int, int]], state: dict
+    buckets: list[FlatBucket],
+    states: list[tuple[torch.Tensor, torch.Tensor]],
+    ranges: list[tuple[int, int]],
+    state: dict,
 ) -> int:
     """Inverse of `optimizer_state_dict` for the same layout; returns the step count."""
     pieces = {(name, p["offset"]): p for name, ps in state["params"].items() for p in ps}
@@ -495,14 +503,20 @@ def load_optimizer_state(
         for seg, start, end in bucket.runs(lo, hi):
             piece = pieces.get((seg.name, start - seg.start))
             if piece is None or piece["numel"] != end - start:
-                raise ValueError(f"optimizer state for {seg.name} at offset {start - seg.start} is missing or sized differently")
+                raise ValueError(
+                    f"optimizer state for {seg.name} at offset {start - seg.start} is missing or sized differently"
+                )
             m[start - lo : end - lo].copy_(piece["exp_avg"])
             v[start - lo : end - lo].copy_(piece["exp_avg_sq"])
     return int(state["steps"])
 
 
 def squared_grad_sum(
-    buckets: list[FlatBucket], grads: list[torch.Tensor | None], ranges: list[tuple[int, int]], mesh: Mesh, sharded: bool
+    buckets: list[FlatBucket],
+    grads: list[torch.Tensor | None],
+    ranges: list[tuple[int, int]],
+    mesh: Mesh,
+    sharded: bool,
 ) -> torch.Tensor:
     """This rank's share of the squared gradient norm of the full model, each element counted once.
 

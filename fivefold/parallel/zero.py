@@ -251,7 +251,8 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
         in_blocks = {id(p) for block in blocks.values() for p in block.parameters()}
         root = [(n, p) for n, p in trainable([chunk]) if id(p) not in in_blocks]
         members = [(f"chunk{c}.root", chunk, root)] if root else []
-        members += [(f"chunk{c}.layers.{k}", b, [(f"layers.{k}.{n}", p) for n, p in trainable([b])]) for k, b in blocks.items()]
+        for key, block in blocks.items():
+            members.append((f"chunk{c}.layers.{key}", block, [(f"layers.{key}.{n}", p) for n, p in trainable([block])]))
         chunk_units = [Unit(name, module, _unit_buckets(named, mesh)) for name, module, named in members if named]
         for a, b in zip(chunk_units, chunk_units[1:]):
             a.next_forward, b.next_backward = b, a
