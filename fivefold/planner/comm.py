@@ -15,16 +15,19 @@ hidden, X = b s h / c activation elements of the dtype, m micro-batches):
 * tp, per layer and micro-batch: 2 all-reduces of X forward and 2 backward (attention
   output and MLP output, and their conjugates; Shoeybi et al. 2019). With sequence
   parallelism 2 all-gathers + 2 reduce-scatters of X forward, 2 reduce-scatters + 2
-  all-gathers backward (the same volume, Korthikanti et al. 2022, Section 4.2.2), plus 2
-  all-gathers backward re-gathering the sequence-sharded inputs that the QKV and MLP
-  input projections keep for their weight gradients. Vocab-parallel embedding: one
-  all-reduce forward (SP: reduce-scatter forward, all-gather backward); head: all-reduce
-  of its input gradient (SP: all-gather forward, reduce-scatter + re-gather backward);
+  all-gathers backward (the same volume, Korthikanti et al. 2022, Section 4.2.2); fivefold
+  keeps the gathered inputs for the weight gradients instead of re-gathering them. Per
+  step, gradients that are partial over tp are summed with one all-reduce: norm weights
+  under SP, MoE routers, and key/value projections shared by tp/kv ranks when tp > kv
+  heads. Vocab-parallel embedding: one all-reduce forward (SP: reduce-scatter forward,
+  all-gather backward); head: all-reduce of its input gradient (SP: all-gather forward,
+  reduce-scatter backward);
   vocab-parallel cross-entropy: 3 all-reduces of b s/c fp32 values (max, sum, target).
 * cp, per layer and micro-batch, K and V of b (s/c) (kv/t) d elements each:
   all-gather variant: all-gather K and V forward, reduce-scatter dK and dV backward;
   ring: (c - 1) sends of the K and of the V block forward, and backward (c - 1) sends each
-  of K, V (circulated again rather than stored) and of the dK, dV accumulators;
+  of K, V (circulated again rather than stored) and c of the dK, dV accumulators (which
+  end at their owner);
   Ulysses: all-to-alls of q, k, v, out forward and of d_out, dq, dk, dv backward.
 * ep, per MoE layer and micro-batch: dispatch and combine all-to-alls of the b (s/c) k
   routed token copies (k h elements each) forward and again backward.
@@ -117,8 +120,7 @@ def tp_layers(m: ModelSpec, lay: LayoutSpec, ab: int, layer_mbs: float) -> list[
     return [c("all_gather", 2 * rec, "fwd", "norm output to attention/MLP"),
             c("reduce_scatter", 2 * rec, "fwd", "attention/MLP output"),
             c("reduce_scatter", 2, "bwd", "attention/MLP input grad"),
-            c("all_gather", 2, "bwd", "output grad"),
-            c("all_gather", 2, "bwd", "re-gather saved sharded inputs")]
+            c("all_gather", 2, "bwd", "output grad")]
 
 
 def tp_ends(m: ModelSpec, lay: LayoutSpec, ab: int, first: bool, last: bool, mbs: float) -> list[Collective]:
@@ -134,11 +136,26 @@ def tp_ends(m: ModelSpec, lay: LayoutSpec, ab: int, first: bool, last: bool, mbs
         out += ([c("reduce_scatter", x, 1, "fwd", "embedding"), c("all_gather", x, 1, "bwd", "embedding grad")]
                 if sp else [c("all_reduce", x, 1, "fwd", "embedding")])
     if last:
-        out += ([c("all_gather", x, 1, "fwd", "head input"), c("reduce_scatter", x, 1, "bwd", "head input grad"),
-                 c("all_gather", x, 1, "bwd", "re-gather head input")]
+        out += ([c("all_gather", x, 1, "fwd", "head input"), c("reduce_scatter", x, 1, "bwd", "head input grad")]
                 if sp else [c("all_reduce", x, 1, "bwd", "head input grad")])
         rows = lay.micro_batch * m.seq_len // lay.cp
         out.append(c("all_reduce", rows * 4, 3, "fwd", "cross-entropy max/sum/target"))
+    return out
+
+
+def tp_grad_sums(m: ModelSpec, lay: LayoutSpec, grad_b: int, n_layers: int, n_moe: int, last: bool) -> list[Collective]:
+    """Per-step all-reduces over tp of gradients that are partial on each tp rank."""
+    t = lay.tp
+    if t == 1 or n_layers == 0:
+        return []
+    elems = m.num_experts * m.hidden * n_moe  # routers: each rank saw its slice of the experts
+    if lay.sequence_parallel:  # norms: each rank saw its slice of the tokens
+        elems += m.hidden * (2 * n_layers + (1 if last else 0))
+    out = [Collective("tp", "all_reduce", elems * grad_b, t, 1, t, "step", "partial gradients")] if elems else []
+    kv = m.n_kv_heads
+    if t > kv:  # each kv head is held by t/kv ranks: one (kv, n) buffer summed over tp
+        per_rank = 2 * m.head_dim * m.hidden * n_layers
+        out.append(Collective("tp", "all_reduce", kv * per_rank * grad_b, t, 1, t, "step", "shared kv heads"))
     return out
 
 
@@ -158,7 +175,8 @@ def cp_layers(m: ModelSpec, lay: LayoutSpec, ab: int, layer_mbs: float) -> list[
                 c("reduce_scatter", kv * cp, 2, "bwd", "dK, dV")]
     if lay.cp_kind == "ring":
         return [c("send", kv, 2 * (cp - 1) * rec, "fwd", "K, V blocks"),
-                c("send", kv, 4 * (cp - 1), "bwd", "K, V blocks and dK, dV")]
+                c("send", kv, 2 * (cp - 1), "bwd", "K, V blocks again"),
+                c("send", kv, 2 * cp, "bwd", "dK, dV accumulators, home after cp hops")]
     return [c("all_to_all", q, 2 * rec, "fwd", "q, out"), c("all_to_all", kv, 2 * rec, "fwd", "k, v"),
             c("all_to_all", q, 2, "bwd", "d_out, dq"), c("all_to_all", kv, 2, "bwd", "dk, dv")]
 
@@ -206,12 +224,12 @@ def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: f
         if lay.zero == 0:
             out.append(c("all_reduce", g, 1, "bwd", "grads"))
         elif lay.zero in (1, 2):
-            out += [c("reduce_scatter", g, 1 if lay.zero == 1 else mbs, "bwd", "grads"),
+            out += [c("reduce_scatter", g, 1, "bwd", "grads"),
                     c("all_gather", p, 1, "step", "updated params")]
         else:
             gathers = 3 if lay.recompute == "full" else 2
             out += [c("all_gather", p, gathers * mbs, "fwd", "params"),
-                    c("reduce_scatter", g, mbs, "bwd", "grads")]
+                    c("reduce_scatter", g, 1, "bwd", "grads")]
     return out
 
 

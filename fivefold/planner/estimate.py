@@ -30,7 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .activations import activation_bytes_per_layer, activation_dtype_bytes, saved_tensors_embedding, saved_tensors_output
-from .comm import AXES, Collective, cp_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_layers, volumes_by_axis, volumes_by_kind
+from .comm import (
+    AXES, Collective, cp_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers, volumes_by_axis,
+    volumes_by_kind,
+)
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
 from .hardware import Hardware, get_hardware
 from .memory import StateBytes, state_bytes, zero_model_states
@@ -333,6 +336,7 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     dense, expert = _params_here(ctx, first, last, n_dense, n_moe)
     tied = m.vocab * m.hidden / t * sb.grad if (is_tied(m) and lay.pp > 1) else 0.0
     inner = (tp_layers(m, lay, ab, n_layers * mbs) + tp_ends(m, lay, ab, first, last, mbs)
+             + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
              + cp_layers(m, lay, ab, n_layers * mbs) + ep_layers(m, lay, ab, n_moe * mbs)
              + pp_sends(m, lay, ab, s, tied))
     dp = dp_grads(lay, sb.param, sb.grad, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep)
