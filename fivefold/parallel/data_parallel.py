@@ -459,6 +459,12 @@ class DataParallelAdamW:
     def load_state_dict(self, state: dict) -> None:
         self.steps = load_optimizer_state(self.buckets, self.state, [(0, b.numel) for b in self.buckets], state)
 
+    def sharded_state(self) -> dict:
+        return flat_sharded_state(self.buckets, self.state, [(0, b.numel) for b in self.buckets], sharded=False)
+
+    def load_sharded_state(self, reader) -> None:
+        load_flat_sharded_state(reader, self.buckets, self.state, [(0, b.numel) for b in self.buckets], sharded=False)
+
 
 # ----------------------------------------------------------------------------- checkpoint schema
 
@@ -549,3 +555,59 @@ def _copy_runs(bucket: FlatBucket, lo: int, hi: int, mesh: Mesh, sharded: bool) 
         else:
             runs.append((start, end, copies))
     return runs
+
+
+# ----------------------------------------------------------------------------- checkpoint protocol
+
+
+def _flat_runs(buckets: list[FlatBucket], ranges: list[tuple[int, int]], sharded: bool):
+    """(bucket index, segment, [start, end) in flat coordinates, ShardSpec) of every owned run."""
+    from ..checkpoint import ShardSpec
+
+    for i, (bucket, (lo, hi)) in enumerate(zip(buckets, ranges)):
+        for seg, start, end in bucket.runs(lo, hi):
+            placement = seg.placement
+            over = placement.replicated_over
+            if sharded:  # a ZeRO shard is no longer replicated over the axis it is sharded on
+                over = tuple(a for a in over if a != bucket.axis.name)
+            spec = ShardSpec.from_placement(placement, flat=(start - seg.start, end - start), replicated_over=over)
+            yield i, seg, start - lo, end - lo, spec
+
+
+def flat_sharded_state(
+    buckets: list[FlatBucket],
+    states: list[tuple[torch.Tensor, torch.Tensor]],
+    ranges: list[tuple[int, int]],
+    sharded: bool,
+    param_shards: list[torch.Tensor] | None = None,
+) -> dict:
+    """The checkpoint protocol's `sharded_state` for flat buffers (see fivefold/checkpoint.py).
+
+    Each parameter's run inside this rank's range of its bucket is one flat piece of the
+    parameter's (TP-local) box; `param_shards` adds the parameters themselves (ZeRO-3).
+    """
+    out: dict = {}
+    for i, seg, a, b, spec in _flat_runs(buckets, ranges, sharded):
+        m, v = states[i]
+        entry = {"exp_avg": (m[a:b], spec), "exp_avg_sq": (v[a:b], spec)}
+        if param_shards is not None:
+            entry["param"] = (param_shards[i][a:b], spec)
+        out[seg.name] = entry
+    return out
+
+
+def load_flat_sharded_state(
+    reader,
+    buckets: list[FlatBucket],
+    states: list[tuple[torch.Tensor, torch.Tensor]],
+    ranges: list[tuple[int, int]],
+    sharded: bool,
+    param_shards: list[torch.Tensor] | None = None,
+) -> None:
+    """Fill this rank's flat pieces from a checkpoint of any layout (box intersection)."""
+    for i, _seg, a, b, spec in _flat_runs(buckets, ranges, sharded):
+        m, v = states[i]
+        reader.read_into(m[a:b], spec, "exp_avg")
+        reader.read_into(v[a:b], spec, "exp_avg_sq")
+        if param_shards is not None:
+            reader.read_into(param_shards[i][a:b], spec, "param")

@@ -61,6 +61,7 @@ from .data_parallel import (
     squared_grad_sum,
     trainable,
 )
+from .data_parallel import flat_sharded_state, load_flat_sharded_state
 from .optim import AdamWSettings
 
 
@@ -223,6 +224,19 @@ class ZeroAdamW:
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = load_optimizer_state(self.buckets, self.state, self.ranges, state)
+
+    # Checkpoint protocol (fivefold/checkpoint.py): stage 3 owns the parameters' shards.
+    @property
+    def owns_parameter_shards(self) -> bool:
+        return self.stage == 3
+
+    def sharded_state(self) -> dict:
+        shards = self.param_shards if self.stage == 3 else None
+        return flat_sharded_state(self.buckets, self.state, self.ranges, sharded=True, param_shards=shards)
+
+    def load_sharded_state(self, reader) -> None:
+        shards = self.param_shards if self.stage == 3 else None
+        load_flat_sharded_state(reader, self.buckets, self.state, self.ranges, sharded=True, param_shards=shards)
 
 
 # ----------------------------------------------------------------------------- stage 3
