@@ -10,6 +10,7 @@ layout starts from the single-process model's weights.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,6 +66,14 @@ class ParallelModel:
 
     def modules(self) -> list[nn.Module]:
         return list(self.chunks)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the whole model as full tensors, on every rank (small models)."""
+        from .parallel.sharding import full_shapes, gather_full_state
+
+        gathered = getattr(self.optimizer, "gathered", contextlib.nullcontext)  # ZeRO-3 shards parameters
+        with gathered():
+            return gather_full_state(self.chunks, self.mesh, full_shapes(self.config.model))
 
 
 def build_chunks(config: Config, mesh: Mesh) -> list[Transformer]:

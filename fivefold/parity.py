@@ -15,7 +15,6 @@ within PARAM_ATOL = 1e-5 (plus PARAM_RTOL = 1e-4 relative), with an order of mag
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -25,7 +24,6 @@ from .config import Config, Layout
 from .data import Sampler, load_tokenizer, load_tokens
 from .layout import validate
 from .mesh import Mesh
-from .parallel.sharding import full_shapes, gather_full_state
 from .train import build, train_step
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
@@ -68,9 +66,7 @@ def train_trace(config: Config, mesh: Mesh, steps: int, keep_params: bool = True
         trace.moe.append(result.moe)
     trace.comm_bytes = mesh.stats.by_axis()
     if keep_params:
-        gathered = getattr(model.optimizer, "gathered", contextlib.nullcontext)  # ZeRO-3 shards parameters
-        with gathered():
-            full = gather_full_state(model.chunks, mesh, full_shapes(config.model))
+        full = model.full_parameters()
         trace.params = full if mesh.rank == 0 else {}
     return trace
 

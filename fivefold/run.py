@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -16,7 +15,6 @@ from .data import Sampler, TokenData, load_tokenizer, load_tokens
 from .layout import validate
 from .mesh import Mesh, device_for
 from .metrics import DTYPES, model_flops_per_token, peak_flops_for_log
-from .parallel.sharding import full_shapes, gather_full_state
 from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
@@ -45,9 +43,7 @@ def save_final_weights(model, run_dir: Path, config: Config) -> Path | None:
     """Gather the full model and write model.safetensors + config.json (rank 0)."""
     from safetensors.torch import save_file
 
-    gathered = getattr(model.optimizer, "gathered", contextlib.nullcontext)  # ZeRO-3 shards parameters
-    with gathered():
-        full = gather_full_state(model.chunks, model.mesh, full_shapes(config.model))
+    full = model.full_parameters()
     if model.mesh.rank != 0:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,6 @@ def resume_and_train(ctx, config: Config, total_steps: int, root: str):
     """
     from fivefold.checkpoint import resume_latest
     from fivefold.layout import validate
-    from fivefold.parallel.sharding import full_shapes, gather_full_state
     from fivefold.parity import TrainTrace
     from fivefold.train import build, train_step
 
@@ -115,5 +114,5 @@ def resume_and_train(ctx, config: Config, total_steps: int, root: str):
         result = train_step(model, sampler, step)
         trace.losses.append(result.loss)
         trace.grad_norms.append(result.grad_norm)
-    trace.params = gather_full_state(model.chunks, mesh, full_shapes(config.model))
+    trace.params = model.full_parameters()
     return (start, trace) if mesh.rank == 0 else None

@@ -80,7 +80,6 @@ def train_configs_on_rank(ctx, configs: list, steps: int, probe_finalizers: bool
 def _train_one(ctx, config, steps: int, probe_finalizers: bool = False) -> dict:
     from fivefold.data import Sampler, load_tokenizer, load_tokens
     from fivefold.memory import held_memory
-    from fivefold.parallel.sharding import full_shapes, gather_full_state
     from fivefold.train import build, train_step
 
     mesh = ctx.mesh(config.layout)
@@ -115,7 +114,7 @@ def _train_one(ctx, config, steps: int, probe_finalizers: bool = False) -> dict:
     }
     gathered = getattr(optimizer, "gathered", contextlib.nullcontext)
     with gathered():
-        trace.params = gather_full_state(model.chunks, mesh, full_shapes(config.model))
+        trace.params = model.full_parameters()
     if ctx.rank == 0:
         out["trace"] = trace
     return out

@@ -7,7 +7,6 @@ Layouts of one world size share one pool call.
 
 from __future__ import annotations
 
-import pytest
 
 from fivefold.config import load_config
 

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from ..config import Config
 from ..mesh import Axis, Mesh
-from ..model.moe import MoE, sort_slots_by_expert
+from ..model.moe import sort_slots_by_expert
 from . import comm
 from .sharding import Placement, Split, get_placement, set_placement
 
