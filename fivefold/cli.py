@@ -91,7 +91,8 @@ def _replace_layout_arg(argv: list[str], config: Config) -> list[str]:
     text = (
         f"dp={layout.dp},tp={layout.tp},pp={layout.pp},cp={layout.cp},ep={layout.ep},zero={layout.zero},"
         f"vpp={layout.vpp},pp_schedule={layout.pp_schedule},sequence_parallel={layout.sequence_parallel},"
-        f"recompute={layout.recompute},micro_batch={layout.micro_batch},grad_accum={layout.grad_accum}"
+        f"cp_algorithm={layout.cp_algorithm},recompute={layout.recompute},micro_batch={layout.micro_batch},"
+        f"grad_accum={layout.grad_accum}"
     )
     out, skip = [], False
     for i, a in enumerate(argv):

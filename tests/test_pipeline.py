@@ -156,7 +156,7 @@ def _single_process_with_same_microbatches(config, steps: int):
 
 
 def _check_parity(pools, reference, overrides: list[str], preset: str = "tiny", steps: int = 2):
-    config = load_config(preset, overrides)
+    config = load_config(preset, ["train.seq_len=16", *overrides])  # short sequences: many layouts, little time
     if config.model.layers > 4 or config.model.is_moe:
         result = pools.run(config.layout.world_size, trace_on_rank, config, steps)[0]
         return assert_parity(_single_process_with_same_microbatches(config, steps), result)
