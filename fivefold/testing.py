@@ -16,6 +16,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -72,7 +73,8 @@ def _worker_main(rank: int, world_size: int, port: int, paths: list[str], tasks,
             results.put((rank, True, fn(ctx, *args, **kwargs)))
         except BaseException:  # report everything, including assertion errors, to the test
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    # No destroy_process_group(): it waits for the peers, which are exiting too; the
+    # process's exit closes the connections.
 
 
 class WorkerPool:
@@ -132,8 +134,10 @@ class WorkerPool:
                     q.put(None)
                 except Exception:
                     pass
+        deadline = time.monotonic() + 5.0  # one grace period for all ranks, then kill the rest
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for p in self._procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
