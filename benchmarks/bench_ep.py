@@ -18,26 +18,13 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from fivefold.bench import alternate, compare, print_table, write_json
 from fivefold.config import Layout
 from fivefold.mesh import Mesh
+from fivefold.model.llama import MLP as SwiGLU  # one expert, as DeepSpeed wants it: a module it copies
 from fivefold.model.moe import MoE
 from fivefold.parallel.expert_parallel import ExpertParallelDispatcher
-
-
-class SwiGLU(nn.Module):
-    """One expert, as DeepSpeed wants it: a module it copies once per local expert."""
-
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 def fivefold_layer(args, mesh: Mesh, kernel: str) -> MoE:

@@ -34,22 +34,12 @@ model repeats k and v to every query head before attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
 from .config import Layout, ModelConfig
-
-
-class SavedTensor(NamedTuple):
-    name: str
-    elements: int
-    bytes_per_element: int
-
-    @property
-    def bytes(self) -> int:
-        return self.elements * self.bytes_per_element
+from .planner.activations import SavedTensor  # one record type for derived and measured lists
 
 
 def saved_tensors_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int) -> list[SavedTensor]:
