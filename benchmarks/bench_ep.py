@@ -36,7 +36,7 @@ def fivefold_layer(args, mesh: Mesh, kernel: str) -> MoE:
         moe.experts.down = nn.Parameter(torch.randn(local, args.hidden, args.ffn) * 0.02)
         moe.router.gate.weight.normal_(0, 0.02)
     moe.experts.kernel = kernel
-    moe.dispatcher = ExpertParallelDispatcher(mesh.ep, mesh.tp, args.experts, tp_split=False, sequence_parallel=False)
+    moe.dispatcher = ExpertParallelDispatcher(mesh.ep, args.experts)
     return moe
 
 
