@@ -53,27 +53,17 @@ class _Busy:
             self.started = None
 
 
-class _BackwardBegins(torch.autograd.Function):
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward first calls `callback` (marks where a stage's backward starts/ends)."""
+
     @staticmethod
-    def forward(ctx, x, busy):
-        ctx.busy = busy
+    def forward(ctx, x, callback):
+        ctx.callback = callback
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.busy.begin()
-        return grad, None
-
-
-class _BackwardEnds(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, busy):
-        ctx.busy = busy
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.busy.end()
+        ctx.callback()
         return grad, None
 
 
@@ -85,15 +75,15 @@ class TorchStageModule(nn.Module):
         self.chunk, self.busy = chunk, busy
         self.register_buffer("positions", positions, persistent=False)
         if chunk.embed is not None:  # the first stage's backward ends at the embedding output
-            chunk.embed.register_forward_hook(lambda m, i, out: _BackwardEnds.apply(out, busy))
+            chunk.embed.register_forward_hook(lambda m, i, out: _OnBackward.apply(out, busy.end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.busy.begin()
         if x.is_floating_point():
-            x = _BackwardEnds.apply(x, self.busy)
+            x = _OnBackward.apply(x, self.busy.end)
         out, _ = self.chunk(x, self.positions)
         self.busy.end()
-        return _BackwardBegins.apply(out, self.busy)
+        return _OnBackward.apply(out, self.busy.begin)
 
 
 def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict) -> dict:
