@@ -16,14 +16,11 @@ outcome reported: on CPU it has no sharding rule for the CPU flash-attention ker
 from __future__ import annotations
 
 import argparse
-import os
-import threading
-import time
 
 import torch
 import torch.distributed as dist
 
-from fivefold.bench import CaseResult, alternate, compare, print_table, write_json
+from fivefold.bench import CaseResult, alternate, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import load_config
 from fivefold.layout import validate
 from fivefold.mesh import Mesh
@@ -58,28 +55,6 @@ def _step_fn(model, inputs, targets):
         model.loss_fn(logits, batch.targets)
 
     return step, forward
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_during(fn) -> float:
-    """Highest resident memory (MB) sampled while fn runs, above the level before it."""
-    start, peak, done = _rss_mb(), [0.0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss_mb())
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    fn()
-    done.set()
-    thread.join()
-    return max(peak[0], _rss_mb()) - start
 
 
 def try_torch_context_parallel(seq: int) -> str:
@@ -125,11 +100,10 @@ def main() -> None:
         cases[algorithm], forwards[algorithm] = _step_fn(_build(config, mesh), inputs, targets)
     torch_cp = try_torch_context_parallel(256)
     results = alternate(cases, warmup=1, rounds=args.rounds, sync=dist.barrier)
+    gather_peak_rss(results)
     for name in cases:
         dist.barrier()
-        saved = saved_activation_bytes(forwards[name]) / 2**20
-        results[name].peak_rss_mb = peak_rss_during(cases[name])
-        results[name].extra = {"saved_activations_mb": saved, "cp_bytes_per_step": None}
+        results[name].extra["saved_activations_mb"] = saved_activation_bytes(forwards[name]) / 2**20
     mesh.stats.reset()
     cases["ring"]()
     report(results, mesh, rank, args, torch_cp)
@@ -145,7 +119,7 @@ def report(results: dict[str, CaseResult], mesh: Mesh, rank: int, args, torch_cp
     print_table(comparison)
     for name, res in results.items():
         print(f"{name:10s} saved activations {res.extra['saved_activations_mb']:8.1f} MB   "
-              f"RSS high-water above start {res.peak_rss_mb:8.1f} MB")
+              f"peak RSS {res.peak_rss_mb:8.1f} MB (step rise {res.extra['step_rise_mb']:6.1f} MB)")
     print(f"torch context_parallel on CPU/gloo: {torch_cp}")
     print(f"ring attention bytes on the cp axis for one step: {meta['ring_cp_bytes_per_step']}")
     print(f"wrote {write_json([comparison], args.out)}")

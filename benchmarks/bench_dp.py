@@ -7,8 +7,9 @@ run. Launch:
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 PYTHONPATH=$PWD python3 -m torch.distributed.run \\
         --standalone --nproc-per-node 2 benchmarks/bench_dp.py [--rounds 3] [--case NAME]
 
-Without --case every case is timed (median per-round ratio against its peer). Peak resident
-memory is per process, so `--case NAME` runs one case alone and reports its peak RSS per rank.
+Without --case every case is timed (median per-round ratio against its peer), and each case's
+peak RSS per rank is measured around its own steps; the models of the other cases stay resident
+meanwhile, so `--case NAME` runs one case alone for a peak that counts nothing else.
 """
 
 from __future__ import annotations
@@ -173,19 +174,17 @@ def main() -> None:
     with contextlib.redirect_stdout(sys.stderr if dist.get_rank() else sys.stdout):
         cases = {name: make_case(name, config, sampler) for name in names}
         results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
-    rss = torch.tensor([bench.peak_rss_mb()], dtype=torch.float64)
-    all_rss = [torch.zeros_like(rss) for _ in range(dist.get_world_size())]
-    dist.all_gather(all_rss, rss)
+    bench.gather_peak_rss(results)
     if dist.get_rank() == 0:
-        report(args, config, results, [float(r) for r in all_rss])
+        report(args, config, results)
     dist.destroy_process_group()
 
 
-def report(args, config: Config, results: dict, rss: list[float]) -> None:
+def report(args, config: Config, results: dict) -> None:
     meta = {"preset": "small", "dp": 2, "global_batch": config.train.global_batch, "seq_len": config.train.seq_len}
     if args.case:
         res = results[args.case]
-        per_rank = ", ".join(f"{r:.0f}" for r in rss)
+        per_rank = ", ".join(f"{r:.0f}" for r in res.extra["peak_rss_mb_per_rank"])
         print(f"{args.case}: median step {res.median:.3f} s; peak RSS per rank MB: {per_rank}")
         return
     comparisons = []

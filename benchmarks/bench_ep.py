@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fivefold.bench import alternate, compare, print_table, write_json
+from fivefold.bench import alternate, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import Layout
 from fivefold.mesh import Mesh
 from fivefold.model.llama import MLP as SwiGLU  # one expert, as DeepSpeed wants it: a module it copies
@@ -116,6 +116,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("layers built", flush=True)
     results = alternate(steps, warmup=2, rounds=args.rounds, sync=dist.barrier)
+    gather_peak_rss(results)
     for name, step in steps.items():
         results[name].extra["saved_activation_mb"] = saved_bytes(step) / 2**20
     comparison = compare(

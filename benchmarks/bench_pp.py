@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fivefold.bench import alternate, compare, print_table, write_json
+from fivefold.bench import alternate, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import load_config
 from fivefold.data import Sampler, load_tokenizer, load_tokens
 from fivefold.layout import validate
@@ -177,6 +177,7 @@ def main() -> None:
     measured: dict = {}
     cases = build_cases(config, mesh, batch, args.schedules.split(","), measured)
     results = alternate(cases, warmup=args.warmup, rounds=args.rounds, sync=dist.barrier)
+    gather_peak_rss(results)
     bubbles = measure_bubbles(measured, mesh)
     meta = {"pp": pp, "micro_batches": args.micro_batches, "config": args.config, "overrides": args.overrides}
     for name, (ours, theirs) in bubbles.items():

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run directly from a checkout
 
-from fivefold.bench import CaseResult, Comparison, alternate, compare, peak_rss_mb, write_json  # noqa: E402
+from fivefold.bench import CaseResult, Comparison, alternate, compare, write_json  # noqa: E402
 from fivefold.config import Config, ModelConfig, load_config  # noqa: E402
 from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
 from fivefold.layout import validate  # noqa: E402
@@ -323,8 +323,6 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
     clocks = {name: CpuClock(fn) for name, fn in cases.items()}
     results = alternate(clocks, warmup=args.warmup, rounds=args.rounds)
     cpu = {name: clock.seconds[args.warmup:] for name, clock in clocks.items()}  # drop the warm-up calls
-    for res in results.values():
-        res.peak_rss_mb = peak_rss_mb()  # one process holds everything: the peak is shared
     comparisons, summary = summarize(results, cpu, config, args.steps, matmul_flops)
     for c in comparisons:
         c.meta |= {"equivalence": equivalence, "matmul_reps": reps, "matmul_rounds_s": results["matmul"].seconds}

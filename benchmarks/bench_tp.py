@@ -36,19 +36,6 @@ from fivefold.parallel.optim import decays
 from fivefold.train import build, train_step
 
 
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def dtensor_plan(model, sequence_parallel: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -140,19 +127,6 @@ class DTensorTrainer:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def measured(case, peaks: dict, name: str):
-    """Wrap a step so that each call records its peak resident memory and the peak's rise
-    above the resident size at the start of the step (what the step itself allocates)."""
-    def run() -> None:
-        reset_peak_rss()
-        before = _status_mb("VmRSS")
-        case()
-        peak = _status_mb("VmHWM")
-        old_peak, old_rise = peaks.get(name, (0.0, 0.0))
-        peaks[name] = (max(old_peak, peak), max(old_rise, peak - before))
-    return run
-
-
 def saved_mb(model, inputs: torch.Tensor, loss) -> float:
     saved = measure_saved_bytes(model, lambda: loss(inputs), dict(model.layers.items()))
     return (sum(saved.per_layer.values()) + saved.shared + saved.outside_layers) / 2**20
@@ -166,19 +140,18 @@ def compare_one(config, sequence_parallel: bool, rounds: int) -> bench.Compariso
     inputs, targets = sampler.local_batch_at(0, 0, 1)
     ours = build(config, mesh, torch.device("cpu"))
     peer = DTensorTrainer(config, sequence_parallel)
-    peaks: dict[str, float] = {}
     cases = {
-        "fivefold": measured(lambda: train_step(ours, sampler, 0), peaks, "fivefold"),
-        "dtensor": measured(lambda: peer.step(inputs, targets), peaks, "dtensor"),
+        "fivefold": lambda: train_step(ours, sampler, 0),
+        "dtensor": lambda: peer.step(inputs, targets),
     }
     results = bench.alternate(cases, warmup=1, rounds=rounds, sync=dist.barrier)
+    bench.gather_peak_rss(results)
     chunk = ours.chunks[0]
     saved = {
         "fivefold": saved_mb(chunk, inputs, lambda x: ours.loss_fn(chunk(x)[0], targets)),
         "dtensor": saved_mb(peer.model, inputs, lambda x: peer.loss_parallel_forward(x, targets)),
     }
     for name, res in results.items():
-        res.peak_rss_mb, res.extra["step_rise_mb"] = peaks[name]
         res.extra["saved_for_backward_mb"] = saved[name]
     title = f"tp={config.layout.tp} {'with' if sequence_parallel else 'without'} sequence parallel, {config.model.name}"
     meta = {"tp": config.layout.tp, "sequence_parallel": sequence_parallel, "global_batch": config.train.global_batch,
