@@ -42,16 +42,20 @@ def planner_axis_bytes(wire: dict[str, int]) -> dict[str, int]:
 
 
 def hardware_for(device: torch.device) -> str:
-    """The planner's hardware name for the device a run uses: a CUDA preset, or "cpu"."""
+    """The planner's hardware name for the device a run uses: "cpu", or the CUDA preset of the
+    same family (A100, H100, ...) whose memory is closest to the device's. An unknown GPU is
+    planned as an H100-80GB; prediction.json names the hardware used.
+    """
     if device.type != "cuda":
         return "cpu"
     from .planner import HARDWARE
 
     name = torch.cuda.get_device_name(device).upper()
-    for preset in HARDWARE:
-        if preset.split("-")[0].upper() in name and preset != "cpu":
-            return preset
-    return "H100-80GB"
+    memory = torch.cuda.get_device_properties(device).total_memory
+    family = [p for p in HARDWARE if p != "cpu" and p.split("-")[0].upper() in name]
+    if not family:
+        return "H100-80GB"
+    return min(family, key=lambda p: abs(HARDWARE[p].memory_bytes - memory))
 
 
 def predict_run(config: Config, device: torch.device) -> dict[str, Any]:
@@ -118,7 +122,10 @@ def drift_warnings(prediction: dict[str, Any], records: list[dict[str, Any]], ma
     steady = [r["step_seconds"] for r in records[1:] if "step_seconds" in r] or [records[0].get("step_seconds", 0.0)]
     measured_time = statistics.median(steady)
     if _ratio_off(measured_time, prediction["step_time_s"], margin):
-        out.append(f"step time {measured_time:.3g} s measured vs {prediction['step_time_s']:.3g} s predicted")
+        hint = (" (the planner's CPU numbers come from `fivefold plan --calibrate --model llama3-8b` once saved, "
+                "conservative defaults before; other processes on the machine slow steps down)"
+                if prediction.get("hardware") == "cpu" else "")
+        out.append(f"step time {measured_time:.3g} s measured vs {prediction['step_time_s']:.3g} s predicted{hint}")
     held = records[0].get("held_bytes")
     if held:
         worst = max(sum(rank.values()) for rank in held)

@@ -438,16 +438,18 @@ def _summed_matrix(records: list[dict[str, Any]]) -> list[list[float]] | None:
 def _matrix_figure(matrix: list[list[float]]) -> Figure:
     plt = _pyplot()
     n = len(matrix)
-    fig, ax = plt.subplots(figsize=(3.2 + 0.3 * n, 3 + 0.3 * n))
+    fig, ax = plt.subplots(figsize=(4.2 + 0.3 * n, 3.4 + 0.3 * n))
     image = ax.imshow(matrix, cmap="magma", interpolation="nearest")
+    middle = (max(map(max, matrix)) + min(map(min, matrix))) / 2
     for i in range(n):
         for j in range(n):
-            ax.text(j, i, f"{matrix[i][j]:,.0f}", ha="center", va="center", fontsize=7, color="white")
+            colour = "black" if matrix[i][j] > middle else "white"  # readable on bright and dark cells
+            ax.text(j, i, f"{matrix[i][j]:,.0f}", ha="center", va="center", fontsize=7, color=colour)
     ax.set_xticks(range(n))
     ax.set_yticks(range(n))
     ax.set_xlabel("to ep rank (holder of the experts)")
     ax.set_ylabel("from ep rank")
-    ax.set_title("token-slots dispatched, all layers and steps", fontsize=9)
+    ax.set_title("token-slots, all layers and steps", fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.05)
     return Figure("moe_all_to_all", "ep-rank x ep-rank all-to-all token matrix", _png(fig))
 

@@ -20,6 +20,7 @@ import torch
 
 from .config import Config
 from .data import Sampler, TokenData, micro_batches
+from .memory import held_memory
 from .mesh import Mesh
 from .metrics import flatten_scalars, mfu
 from .parallel import comm
@@ -152,8 +153,6 @@ def _wire_since(before: dict[tuple[str, str], int], mesh: Mesh) -> dict[str, int
 
 def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
     """One optimizer step on the global batch of `step`."""
-    from .memory import held_memory
-
     start = time.perf_counter()
     wire_before = dict(model.mesh.stats.wire)
     device = model.extras.get("device", torch.device("cpu"))

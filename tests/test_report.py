@@ -131,8 +131,16 @@ def _damaged_runs(runs: Path, root: Path) -> dict[str, Path]:
     return {"empty": empty, "crashed": crashed, "old": old}
 
 
-def test_reports_draw_every_section_that_applies(runs, tmp_path):
-    pages = {name: write_report(runs / name, tmp_path / name) for name in RUNS}
+@pytest.fixture(scope="module")
+def pages(runs, tmp_path_factory) -> dict[str, Path]:
+    """report.html of every run and every damaged folder, rendered once for the module."""
+    root = tmp_path_factory.mktemp("reports")
+    folders = {name: runs / name for name in RUNS} | _damaged_runs(runs, root)
+    return {name: write_report(folder, root / f"{name}-report") for name, folder in folders.items()}
+
+
+def test_reports_draw_every_section_that_applies(runs, pages):
+    pages = {name: pages[name] for name in RUNS}
     for name, page in pages.items():
         assert _figures(page) == FIGURES[name], name
         assert load_run(runs / name).missing == [], name
@@ -141,9 +149,7 @@ def test_reports_draw_every_section_that_applies(runs, tmp_path):
     assert "ep=2: every rank holds" not in pages["moe_ep2"].read_text()
 
 
-def test_damaged_run_folders_report_what_is_missing(runs, tmp_path):
-    damaged = _damaged_runs(runs, tmp_path)
-    pages = {name: write_report(folder, tmp_path / f"{name}-report") for name, folder in damaged.items()}
+def test_damaged_run_folders_report_what_is_missing(pages):
     assert _figures(pages["empty"]) == set()
     assert "metrics.jsonl is absent" in pages["empty"].read_text()
     assert "lines [3] are not step records" in pages["crashed"].read_text()
