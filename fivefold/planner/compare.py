@@ -221,7 +221,7 @@ def axes_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global
                         f"global batch {global_batch} (the rest of the devices data parallel)")
     for col in ("strategy", "splits", "collective", "layout", "GiB/device", "fits", "GB/step on its axis",
                 "step s", "when to use"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col == "layout")
     for row in axes_rows(model, gpus, hw, precision, global_batch):
         head = (row["strategy"], row["splits"], row["collective"])
         if "error" in row:
