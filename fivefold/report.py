@@ -170,6 +170,22 @@ def series(records: list[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) 
     return steps, values
 
 
+def _field(*path: str) -> Callable[[dict[str, Any]], Any]:
+    """A getter of record[path[0]][path[1]]...; a missing key raises KeyError, which `series` skips."""
+    def get(record: dict[str, Any]) -> Any:
+        value: Any = record
+        for key in path:
+            value = value[key]
+        return value
+
+    return get
+
+
+def _axis_bytes(axis: str) -> Callable[[dict[str, Any]], int]:
+    """Bytes of `axis` in a record; runs log only the axes that moved bytes, so absent means 0."""
+    return lambda record: record["comm_bytes"].get(axis, 0)
+
+
 def _steps_axis(ax) -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -296,7 +312,7 @@ def comm_section(run: RunData) -> Section:
     unit, size = byte_unit(largest)
     for i, axis in enumerate(axes):
         colour = f"C{i}"
-        steps, values = series(with_bytes, lambda r, a=axis: r["comm_bytes"].get(a, 0))
+        steps, values = series(with_bytes, _axis_bytes(axis))
         ax.plot(steps, [v / size for v in values], "o-", color=colour, label=f"{axis} measured")
         if axis in predicted:
             ax.axhline(predicted[axis] / size, color=colour, linestyle="--", label=f"{axis} analytic")
@@ -408,9 +424,9 @@ def _moe_lines(records: list[dict[str, Any]], layers: list[str]) -> Figure:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
     for layer in layers:
-        steps, imbalance = series(records, lambda r, n=layer: r["moe"][n]["imbalance"])
+        steps, imbalance = series(records, _field("moe", layer, "imbalance"))
         left.plot(steps, imbalance, label=layer)
-        steps, dropped = series(records, lambda r, n=layer: r["moe"][n]["dropped_fraction"])
+        steps, dropped = series(records, _field("moe", layer, "dropped_fraction"))
         right.plot(steps, [100 * d for d in dropped], label=layer)
     left.set_title("imbalance (max / mean tokens per expert)", fontsize=9)
     right.set_title("dropped token-slots (%)", fontsize=9)

@@ -178,7 +178,7 @@ def _axis_layout(model: ModelSpec, key: str, gpus: int, degree: int, global_batc
         return LayoutSpec(dp=gpus, zero=3, global_batch=global_batch)
     if key == "ep":
         return LayoutSpec(dp=gpus, ep=degree, global_batch=global_batch)
-    fields = {key: degree, "dp": gpus // degree, "global_batch": global_batch}
+    fields: dict[str, Any] = {key: degree, "dp": gpus // degree, "global_batch": global_batch}
     if key == "cp":
         fields["cp_kind"] = "ring"
     return LayoutSpec(**fields)
@@ -245,7 +245,9 @@ def _try(model: ModelSpec, lay: LayoutSpec, ref: Estimate) -> Estimate | None:
 
 def _why_not(model: ModelSpec, alt: LayoutSpec | None, ref: Estimate) -> str:
     """What the cost model predicts for the layout a rule asks for, against the chosen one."""
-    e = _try(model, alt, ref) if alt is not None else None
+    if alt is None:
+        return "no valid layout of this cluster follows it"
+    e = _try(model, alt, ref)
     if e is None:
         return "no valid layout of this cluster follows it"
     if not e.fits:
@@ -255,7 +257,7 @@ def _why_not(model: ModelSpec, alt: LayoutSpec | None, ref: Estimate) -> str:
         f"{alt.short()} is predicted {-delta:.0%} faster but was not chosen"
 
 
-def _half_dp(lay: LayoutSpec, **changes: int) -> LayoutSpec | None:
+def _half_dp(lay: LayoutSpec, **changes: Any) -> LayoutSpec | None:
     """`lay` with a factor of two moved from dp to the changed axis (None if dp is odd)."""
     if lay.dp % 2:
         return None
@@ -308,8 +310,8 @@ def rules_of_thumb(model: ModelSpec, chosen: Estimate) -> list[str]:
         if lay.ep > 1:
             lines.append(f"- EP for MoE: followed; ep={lay.ep} splits the {model.num_experts} experts.")
         else:
-            alt = lay.replace(ep=2) if (lay.dp * lay.cp) % 2 == 0 and model.num_experts % 2 == 0 else None
-            lines.append(f"- EP for MoE: overridden; {_why_not(model, alt, chosen)}.")
+            ep2 = lay.replace(ep=2) if (lay.dp * lay.cp) % 2 == 0 and model.num_experts % 2 == 0 else None
+            lines.append(f"- EP for MoE: overridden; {_why_not(model, ep2, chosen)}.")
     if lay.zero:
         lines.append(f"- ZeRO for the remaining memory: stage {lay.zero} shards over dp x cp = {lay.dp * lay.cp}.")
     elif lay.dp * lay.cp > 1:
