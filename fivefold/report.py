@@ -539,6 +539,19 @@ def _layout_line(run: RunData) -> str:
     return f"model {model.get('name', '?')}; layout {axes}" + (f" ({', '.join(extras)})" if extras else "")
 
 
+def _prediction_lines(run: RunData) -> list[str]:
+    """The planner's summary for this run and the drift warnings the run printed (recomputed)."""
+    if not run.prediction:
+        return []
+    from .prediction import DRIFT_CHECK_STEP, drift_warnings, summary
+
+    margin = run.prediction.get("drift_margin", 0.25)
+    try:
+        return [summary(run.prediction)] + drift_warnings(run.prediction, run.records[:DRIFT_CHECK_STEP], margin)
+    except (KeyError, TypeError, ValueError) as err:
+        return [f"prediction.json lacks a field the summary needs ({err})"]
+
+
 def render_html(run: RunData, sections: list[Section]) -> str:
     esc = html.escape
     parts = [
@@ -550,6 +563,7 @@ def render_html(run: RunData, sections: list[Section]) -> str:
         f"<h1>Run {esc(run.run_dir.name)}</h1>",
         f"<p>{esc(_layout_line(run))}; {len(run.records)} steps in metrics.jsonl.</p>",
     ]
+    parts += [f"<p>{esc(line)}</p>" for line in _prediction_lines(run)]
     if run.missing:
         parts.append("<h2>Missing</h2><ul class='missing'>")
         parts += [f"<li>{esc(line)}</li>" for line in run.missing]
