@@ -227,9 +227,12 @@ class StepProfiler:
     CPU activity always, CUDA kernels too on GPUs; shapes and memory are recorded.
     """
 
-    def __init__(self, steps: tuple[int, ...], run_dir, rank: int, device: torch.device) -> None:
+    def __init__(self, steps: tuple[int, ...], run_dir, rank: int, device: torch.device, total_steps: int) -> None:
         self.steps, self.rank, self.device = set(steps), rank, device
         self.folder = run_dir / "profile"
+        outside = sorted(s for s in self.steps if not 0 <= s < total_steps)
+        if outside and rank == 0:
+            print(f"warning: train.profile steps {outside} are outside 0..{total_steps - 1}: they are not recorded")
 
     def step(self, step: int):
         """A context manager that profiles `step` if it was chosen, else does nothing."""

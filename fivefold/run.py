@@ -114,7 +114,7 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
     flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
     peak = peak_flops_for_log(DTYPES[config.train.dtype], model.extras["device"], model.mesh.world_size)  # ~0.2 s, once
     device = model.extras["device"]
-    profiler = StepProfiler(config.train.profile, run_dir, model.mesh.rank, device)
+    profiler = StepProfiler(config.train.profile, run_dir, model.mesh.rank, device, config.train.steps)
     task = progress.add_task("train", total=config.train.steps, completed=start, loss=float("nan"), tps=0.0)
     try:
         traced_step = min(max(start, 2), config.train.steps - 1) if config.train.trace else -1  # after warm-up

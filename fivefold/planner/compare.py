@@ -326,6 +326,9 @@ def run_compare(args, model: ModelSpec, hardware: str, out) -> int:
     """`fivefold plan --compare ...` (args from planner/cli.py); prints a table, exit code 0."""
     from .spec import parse_layout
 
+    if args.json:
+        raise PlanError("--compare prints tables only; drop --json (the numbers come from fivefold.planner.compare's "
+                        "zero_rows, schedule_rows and axes_rows in Python)")
     hw = get_hardware(hardware)
     if not out.is_terminal:  # piped or captured: do not fold the tables to 80 columns
         out.width = max(out.width, 160)
