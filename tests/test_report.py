@@ -249,3 +249,16 @@ def test_rules_of_thumb_name_the_rule_and_the_override():
     lines = rules_of_thumb(moe, chosen)
     ep_line = next(line for line in lines if line.startswith("- EP for MoE"))
     assert "overridden" in ep_line and "ep=2" in ep_line
+
+
+def test_plan_search_ends_with_the_rules_of_thumb(tmp_path, capsys):
+    from fivefold.planner.cli import run_plan_cli
+
+    spec = tmp_path / "small.json"
+    spec.write_text(json.dumps({"arch": "llama", "layers": 4, "hidden": 256, "heads": 4, "ffn_hidden": 512,
+                                "vocab": 1024, "seq_len": 256}))
+    assert run_plan_cli(["--model", str(spec), "--gpus", "4", "--hardware", "A100-40GB", "--global-batch", "8",
+                         "--json", "--top", "1"]) == 0
+    explanation = json.loads(capsys.readouterr().out)["explanation"]
+    # a small model fits one device: the first rule applies, and the winner either follows it or says why not
+    assert "- DP first: followed" in explanation or "- DP first: the model fits one device, yet" in explanation

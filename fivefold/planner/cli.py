@@ -76,15 +76,14 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     gb = args.global_batch or 8 * gpus
     cands = search(model, gpus=gpus, hardware=hardware, global_batch=gb, precision=args.precision,
                    optimizer=args.optimizer, top=max(args.top, 10))
-    text = explain(model, cands)
+    from .compare import rules_of_thumb
+
+    text = "\n".join([explain(model, cands), *rules_of_thumb(model, cands[0][1])])
     if args.json:
         print(to_json(cands, top=args.top, explanation=text))
     else:
-        from .compare import rules_of_thumb
-
         out.print(format_table(cands, top=args.top))
         out.print(text, highlight=False)
-        out.print("\n".join(rules_of_thumb(model, cands[0][1])), highlight=False)
     return 0
 
 
