@@ -90,6 +90,24 @@ def test_trace_and_profile_files(runs):
     assert json.loads((runs / "pp2" / "profile" / traces[0]).read_text())["traceEvents"]
 
 
+def test_drift_warnings_name_what_is_off_by_more_than_the_margin():
+    from fivefold.prediction import drift_warnings
+
+    prediction = {"hardware": "H100-80GB", "step_time_s": 1.0, "memory_bytes": {"model_states": 1000},
+                  "comm_bytes": {"dp": 800, "tp": 100}}
+    records = [
+        {"step": 0, "step_seconds": 9.0, "held_bytes": [{"params": 250, "grads": 250, "optimizer": 500}],
+         "comm_bytes": {"dp": 800, "tp": 100}},  # first step: warm-up, left out of the time
+        {"step": 1, "step_seconds": 1.2, "comm_bytes": {"dp": 800, "tp": 140}},
+        {"step": 2, "step_seconds": 1.1, "comm_bytes": {"dp": 800, "tp": 140}},
+    ]
+    warnings = drift_warnings(prediction, records, margin=0.25)
+    assert len(warnings) == 1 and "tp bytes per step 140 measured vs 100 predicted" in warnings[0]
+    assert "more than 25%" in warnings[0]
+    assert len(drift_warnings(prediction, records, margin=0.1)) == 2  # 1.15 s median is now off too
+    assert drift_warnings({"error": "no layout"}, records, 0.25) == []
+
+
 def test_tensorboard_tags_flatten_nested_metrics():
     record = {"step": 4, "loss": 2.0, "peak_memory_bytes": [10, 20], "comm_bytes": {"ep": 8},
               "moe": {"layer1": {"imbalance": 1.5, "tokens_per_expert": [3, 5]}}, "trace": True}
