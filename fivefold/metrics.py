@@ -141,6 +141,24 @@ def peak_flops_for_log(dtype: torch.dtype, device: torch.device, world_size: int
 # ------------------------------------------------------------------ measured per step, per rank
 
 
+class PhaseClock:
+    """Wall time of the consecutive phases of a step: `lap(name)` closes the phase running since
+    the previous lap. On CUDA each lap synchronises the device first, so a phase is charged with
+    its own kernels rather than with whatever the next blocking call waits for.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        _sync(self.device)
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self._last
+        self._last = now
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """This process's peak memory so far: the CUDA allocator's peak on GPUs, peak RSS on CPU.
 

@@ -151,7 +151,7 @@ def _pyplot():
 def _png(fig) -> bytes:
     buffer = io.BytesIO()
     fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=90)
+    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")  # legends placed outside the axes stay in
     _pyplot().close(fig)
     return buffer.getvalue()
 
@@ -266,25 +266,46 @@ def step_time_section(run: RunData) -> Section:
     left.set_ylabel("seconds per step")
     left.legend()
     breakdown = run.prediction.get("breakdown_s", {})
-    bottom = 0.0
-    for part, value in breakdown.items():
-        right.bar("planner", value, bottom=bottom, label=part)
-        bottom += value
-    right.bar("measured\n(median)", measured, color="#555555")
+    _stack(right, "planner", breakdown, "planner: ")
+    phases = _median_phases(run.records)
+    if phases:
+        _stack(right, "measured\n(median)", phases, "measured: ", hatch="//")
+    else:
+        right.bar("measured\n(median)", measured, color="#555555", label="measured step")
+        section.notes.append("no per-phase times logged (runs before phase timing): the measured bar is the whole step")
     bubble = _measured_bubble(run)
-    if bubble is not None:
-        right.bar("measured\n(median)", measured * bubble, color="#cccccc", label=f"measured bubble {bubble:.0%}")
+    if bubble is not None:  # the traced step's idle share, applied to the median pipeline time
+        pipeline_time = phases.get("forward_backward", measured)
+        right.bar("measured\nbubble", bubble * pipeline_time, color="#cccccc",
+                  label=f"measured: bubble, {bubble:.0%} of forward_backward")
     right.set_ylabel("seconds")
-    if breakdown or bubble is not None:
-        right.legend(fontsize=7)
+    right.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     section.figures.append(Figure("step_time", "step time: measured and the planner's breakdown", _png(fig)))
     if not breakdown:
         section.notes.append("no planner breakdown (prediction.json missing)")
     section.notes.append(
-        "The runtime measures whole steps; exposed communication per axis is the planner's split. "
-        "The measured pipeline bubble comes from the traced step (--train.trace true, pp > 1)."
+        "Measured phases: forward_backward holds compute, tensor/context/expert/pipeline communication and "
+        "the bubble; grad_sync the data-parallel reduction left after the backward; optimizer the update "
+        "(and ZeRO's parameter gathers); statistics the loss and MoE reductions and the memory walk. "
+        "Exposed communication per axis is the planner's split; the runtime does not time collectives one by one. "
+        "The measured bubble share comes from the traced step (--train.trace true, pp > 1)."
     )
     return section
+
+
+def _stack(ax, label: str, parts: dict[str, float], prefix: str, hatch: str | None = None) -> None:
+    bottom = 0.0
+    for name, value in parts.items():
+        ax.bar(label, value, bottom=bottom, label=prefix + name, hatch=hatch)
+        bottom += value
+
+
+def _median_phases(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds of each step phase over the steps after the first (warm-up)."""
+    timed = [r["phase_seconds"] for r in records if isinstance(r.get("phase_seconds"), dict)]
+    timed = timed[1:] or timed
+    names = list(dict.fromkeys(name for phases in timed for name in phases))
+    return {name: statistics.median(p.get(name, 0.0) for p in timed) for name in names}
 
 
 def _measured_bubble(run: RunData) -> float | None:

@@ -22,7 +22,7 @@ from .config import Config
 from .data import Sampler, TokenData, micro_batches
 from .memory import held_memory
 from .mesh import Mesh
-from .metrics import flatten_scalars, mfu
+from .metrics import PhaseClock, flatten_scalars, mfu
 from .parallel import comm
 from .parallel.optim import lr_at
 from .parallelize import MicroBatch, ParallelModel, parallelize
@@ -40,6 +40,7 @@ class StepResult:
     moe: dict[str, Any] = field(default_factory=dict)
     comm_bytes: dict[str, int] = field(default_factory=dict)  # wire bytes per comm.py axis, training only
     held_bytes: dict[str, int] = field(default_factory=dict)  # params/grads/optimizer held after the reduction
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the step (PhaseClock)
 
 
 def autocast_for(config: Config, device: torch.device) -> contextlib.AbstractContextManager:
@@ -156,16 +157,22 @@ def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
     start = time.perf_counter()
     wire_before = dict(model.mesh.stats.wire)
     device = model.extras.get("device", torch.device("cpu"))
+    clock = PhaseClock(device)
     batches = local_micro_batches(model, sampler, step)
     if model.runner is not None:
         loss_sum, aux_sum = model.runner.run(batches)
     else:
         loss_sum, aux_sum = forward_backward(model, batches, device)
+    clock.lap("forward_backward")  # compute, tp/cp/ep/pp communication, pipeline bubble
     model.optimizer.finish_grad_sync()
+    clock.lap("grad_sync")  # the data-parallel reduction not hidden behind the backward
     held = held_memory(model.chunks, model.optimizer).without_padding()
+    clock.lap("statistics")
     grad_norm = model.optimizer.clip_grad_norm(model.config.train.grad_clip)
+    clock.lap("grad_norm")
     lr = lr_at(step, model.config.train)
     model.optimizer.step(lr)
+    clock.lap("optimizer")  # with ZeRO, also the parameter all-gather
     wire = _wire_since(wire_before, model.mesh)  # before the reporting collectives below
     model.optimizer.zero_grad()
     mesh, train = model.mesh, model.config.train
@@ -173,8 +180,10 @@ def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
     loss = _report_sum(loss_sum, mesh, owns_loss) / (train.global_batch * train.seq_len)
     aux = _report_sum(aux_sum, mesh, mesh.tp.rank == 0 and model.extras.get("aux_owner", True)) / train.global_batch
     moe = moe_statistics(model) if model.config.model.is_moe else {}
+    clock.lap("statistics")  # loss and MoE statistics reductions
     seconds = time.perf_counter() - start
-    return StepResult(step, loss, aux, grad_norm, lr, seconds, train.global_batch * train.seq_len, moe, wire, held)
+    tokens = train.global_batch * train.seq_len
+    return StepResult(step, loss, aux, grad_norm, lr, seconds, tokens, moe, wire, held, clock.laps)
 
 
 @torch.no_grad()
@@ -242,6 +251,8 @@ def step_record(result: StepResult, flops_per_token: float = 0.0, peak_flops: fl
     }
     if flops_per_token and peak_flops and result.seconds:
         record["mfu"] = mfu(record["tokens_per_s"], flops_per_token, peak_flops)
+    if result.phases:
+        record["phase_seconds"] = result.phases
     if result.moe:
         record["aux_loss"] = result.aux_loss
         record["moe"] = result.moe
