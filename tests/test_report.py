@@ -62,6 +62,9 @@ def test_runs_log_memory_and_bytes_that_match_the_prediction(runs):
         records, predicted = _records(runs / name), _prediction(runs / name)
         assert len(records) == STEPS and "step_time_s" in predicted, name
         assert all(len(r["peak_memory_bytes"]) == 2 and min(r["peak_memory_bytes"]) > 0 for r in records), name
+        phases = {"forward_backward", "grad_sync", "statistics", "grad_norm", "optimizer"}
+        assert all(set(r["phase_seconds"]) == phases for r in records), name
+        assert all(sum(r["phase_seconds"].values()) <= r["step_seconds"] for r in records), name  # laps of one step
         held = max(sum(rank.values()) for rank in records[0]["held_bytes"])
         assert held == pytest.approx(predicted["memory_bytes"]["model_states"], rel=0.01), name
     # Bytes per axis equal the analytic volume, except the traced step's clock alignment (4 bytes
