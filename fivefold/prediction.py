@@ -80,6 +80,8 @@ def predict_run(config: Config, device: torch.device) -> dict[str, Any]:
         e = estimate(model_spec(config.model, train.seq_len), spec, hardware=hardware, precision=precision)
     except (PlanError, ValueError) as err:
         return {"error": f"the planner cannot cost this layout: {err}"}
+    except Exception as err:  # a planner bug must not stop a training run; say what happened instead
+        return {"error": f"the planner failed on this layout ({type(err).__name__}: {err})"}
     mem = e.memory
     return {
         "hardware": e.hardware.name,
