@@ -1,4 +1,4 @@
-"""`fivefold train | generate | plan | parity | bench | convert`.
+"""`fivefold train | generate | plan | parity | bench | convert | report`.
 
 Configuration flags are dotted keys (`--train.steps 50`, `--layout.tp 2`, or
 `--layout "dp=2,tp=2"`); every key is checked. A layout of more than one process restarts
@@ -130,6 +130,12 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str], argv: list[str]) ->
     return run_plan_cli(argv[1:])
 
 
+def cmd_report(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from .report import run_report_cli
+
+    return run_report_cli(argv[1:])
+
+
 def cmd_parity(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from .parity_cli import run_parity_cli
 
@@ -190,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = sub.add_parser("convert", help="export to / import from Hugging Face folders", add_help=False)
     convert.set_defaults(func=cmd_convert)
+
+    report = sub.add_parser("report", help="HTML page and PNG figures of a run folder", add_help=False)
+    report.set_defaults(func=cmd_report)
     return parser
 
 
@@ -199,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train"]
     parser = build_parser()
     try:
-        if argv[0] in ("plan", "bench", "convert"):
-            args = argparse.Namespace(func={"plan": cmd_plan, "bench": cmd_bench, "convert": cmd_convert}[argv[0]])
+        if argv[0] in ("plan", "bench", "convert", "report"):
+            commands = {"plan": cmd_plan, "bench": cmd_bench, "convert": cmd_convert, "report": cmd_report}
+            args = argparse.Namespace(func=commands[argv[0]])
             return args.func(args, [], argv)
         rest, overrides = split_dotted(argv)
         args = parser.parse_args(rest)

@@ -128,6 +128,8 @@ class TrainConfig:
     device: str = "auto"  # auto, cpu, cuda
     run_dir: str = ""  # empty: a new folder under runs/
     trace: bool = False  # record a per-rank timeline of one step (Gantt PNG + Chrome trace)
+    profile: tuple[int, ...] = ()  # steps to record with torch.profiler (RUN_DIR/profile/)
+    drift_margin: float = 0.25  # warn when a measurement is off the planner's prediction by more (ratio)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from .config import Config
 from .data import Sampler, TokenData, load_tokenizer, load_tokens
 from .layout import validate
 from .mesh import Mesh, device_for
-from .metrics import DTYPES, model_flops_per_token, peak_flops_for_log
+from .metrics import DTYPES, StepProfiler, model_flops_per_token, peak_flops_for_log, rank_measurements
+from .prediction import check_drift, write_prediction
 from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
@@ -104,24 +105,30 @@ def load_data(config: Config) -> tuple[TokenData, Sampler]:
     return data, Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
 
 
-def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_dir: Path, start: int, log, progress) -> tuple[list[dict], bool]:
+def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_dir: Path, start: int, log, progress,
+                prediction: dict | None = None) -> tuple[list[dict], bool]:
     """Steps start..steps-1, checkpointing on schedule and on SIGTERM. Returns (records, stopped early)."""
     from .checkpoint import StopRequest, kill_hook_for_tests
 
     records, stop, stopping = [], StopRequest(), False
     flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
     peak = peak_flops_for_log(DTYPES[config.train.dtype], model.extras["device"], model.mesh.world_size)  # ~0.2 s, once
+    device = model.extras["device"]
+    profiler = StepProfiler(config.train.profile, run_dir, model.mesh.rank, device, config.train.steps)
     task = progress.add_task("train", total=config.train.steps, completed=start, loss=float("nan"), tps=0.0)
     try:
         traced_step = min(max(start, 2), config.train.steps - 1) if config.train.trace else -1  # after warm-up
         for step in range(start, config.train.steps):
-            with trace_step(model, run_dir, enabled=step == traced_step):
+            with trace_step(model, run_dir, enabled=step == traced_step), profiler.step(step):
                 result = train_step(model, sampler, step)
             record = step_record(result, flops_per_token, peak)
+            record.update(rank_measurements(model, result, device, with_held=step == start))
             if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:
                 record["val_loss"] = evaluate(model, data, config.train.eval_batches)
             records.append(record)
             log.write(record)
+            if prediction is not None:
+                check_drift(prediction, records, config.train.drift_margin, config.train.steps - start)
             progress.update(task, advance=1, loss=result.loss, tps=record["tokens_per_s"])
             kill_hook_for_tests(step + 1)
             stopping = stop.agreed(model)
@@ -147,8 +154,9 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
     log = MetricsLog(run_dir, enabled=is_main)
     if is_main:
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    prediction = write_prediction(config, device, run_dir) if is_main else None
     with _progress(is_main and show_progress, config.train.steps) as progress:
-        records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress)
+        records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress, prediction)
     path = None if stopped else save_final_weights(model, run_dir, config)
     log.close()
     if is_main and records:

@@ -152,29 +152,69 @@ def write_chrome_trace(rows: list[list[Event]], path: str | Path) -> Path:
     return path
 
 
+def read_chrome_trace(path: str | Path) -> list[list[Event]]:
+    """The rows written by `write_chrome_trace`, back as events (one row per stage)."""
+    kinds = {name: kind for kind, name in _NAMES.items()}
+    rows: dict[int, list[Event]] = {}
+    for e in json.loads(Path(path).read_text())["traceEvents"]:
+        if e.get("ph") == "M":
+            rows.setdefault(int(e["tid"]), [])
+        elif e.get("ph") == "X" and e.get("cat") in kinds:
+            start = e["ts"] / 1e6
+            event = Event(kinds[e["cat"]], int(e["args"]["microbatch"]), int(e["args"]["chunk"]), start, start + e["dur"] / 1e6)
+            rows.setdefault(int(e["tid"]), []).append(event)
+    return [rows[tid] for tid in sorted(rows)]
+
+
+def ideal_rows(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
+               forward: float = 1.0, backward: float = 2.0) -> list[list[Event]]:
+    """The schedule table run by the simulator on an ideal machine (no communication time).
+
+    `forward` and `backward` are the times of a whole stage's layers (in the caller's unit); an
+    interleaved chunk holds 1/vpp of them, so it takes 1/vpp of the time. A split backward
+    (zero-bubble) spends half of `backward` on the input gradient and half on the weight
+    gradient, as `simulate` does.
+    """
+    from .parallel.schedules import build_schedule, simulate
+
+    table = build_schedule(schedule, pp, num_microbatches, vpp)
+    result = simulate(table, pp, forward / vpp, backward / vpp)
+    return [
+        [Event(i.action.kind.value, i.action.microbatch, i.action.chunk, i.start, i.end) for i in row]
+        for row in result.timelines
+    ]
+
+
+def draw_rows(ax, rows: list[list[Event]], scale: float = 1e3, xlabel: str = "ms since step start") -> None:
+    """Draw a Gantt chart of `rows` on a matplotlib axis: one bar per event, gaps are the bubble."""
+    from matplotlib.patches import Patch
+
+    span = max((e.end for row in rows for e in row), default=1.0)
+    for y, row in enumerate(rows):
+        for e in row:
+            ax.broken_barh([(e.start * scale, e.seconds * scale)], (y - 0.4, 0.8), facecolors=_COLOURS[e.kind],
+                           edgecolor="white", linewidth=0.3)
+            if e.kind in COMPUTE_KINDS and e.seconds > span / 80:
+                ax.text((e.start + e.seconds / 2) * scale, y, str(e.microbatch), ha="center", va="center",
+                        fontsize=7, color="white")
+    ax.set_yticks(range(len(rows)), [f"stage {i}" for i in range(len(rows))])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel(xlabel)
+    used = sorted({e.kind for row in rows for e in row}, key=KINDS.index)
+    ax.legend(handles=[Patch(color=_COLOURS[k], label=_NAMES[k]) for k in used], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8)
+
+
 def draw_gantt(rows: list[list[Event]], path: str | Path, title: str = "") -> Path:
     """PNG Gantt chart: one row per stage, forward / backward coloured, gaps are the bubble."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    span = max((e.end for row in rows for e in row), default=1.0)
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.5))
-    for y, row in enumerate(rows):
-        for e in row:
-            ax.broken_barh([(e.start * 1e3, e.seconds * 1e3)], (y - 0.4, 0.8), facecolors=_COLOURS[e.kind],
-                           edgecolor="white", linewidth=0.3)
-            if e.kind in COMPUTE_KINDS and e.seconds > span / 80:
-                ax.text((e.start + e.seconds / 2) * 1e3, y, str(e.microbatch), ha="center", va="center",
-                        fontsize=7, color="white")
-    ax.set_yticks(range(len(rows)), [f"stage {i}" for i in range(len(rows))])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since step start")
+    draw_rows(ax, rows)
     ax.set_title(title or f"pipeline step, bubble {bubble_fraction(rows):.1%}")
-    used = sorted({e.kind for row in rows for e in row}, key=KINDS.index)
-    ax.legend(handles=[Patch(color=_COLOURS[k], label=_NAMES[k]) for k in used], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

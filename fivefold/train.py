@@ -20,8 +20,9 @@ import torch
 
 from .config import Config
 from .data import Sampler, TokenData, micro_batches
+from .memory import held_memory
 from .mesh import Mesh
-from .metrics import mfu
+from .metrics import PhaseClock, flatten_scalars, mfu
 from .parallel import comm
 from .parallel.optim import lr_at
 from .parallelize import MicroBatch, ParallelModel, parallelize
@@ -37,6 +38,9 @@ class StepResult:
     seconds: float
     tokens: int
     moe: dict[str, Any] = field(default_factory=dict)
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # wire bytes per comm.py axis, training only
+    held_bytes: dict[str, int] = field(default_factory=dict)  # params/grads/optimizer held after the reduction
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the step (PhaseClock)
 
 
 def autocast_for(config: Config, device: torch.device) -> contextlib.AbstractContextManager:
@@ -94,6 +98,7 @@ def moe_statistics(model: ParallelModel) -> dict[str, Any]:
     for chunk in model.chunks:
         for name, moe in chunk.moe_layers().items():
             counts = torch.cat([moe.tokens_per_expert, moe.dropped_slots.reshape(1)]).double()
+            local = counts[:-1].clone()
             # Sum over the ranks that route distinct tokens, each once: dp x cp ranks always
             # do (expert parallel or not); tp ranks only when the MoE sets `stats_axes`
             # (sequence parallel splits the tokens), otherwise they see the same ones.
@@ -103,8 +108,10 @@ def moe_statistics(model: ParallelModel) -> dict[str, Any]:
             else:
                 if mesh.tp.rank != 0:
                     counts.zero_()
+                    local.zero_()
                 comm.all_reduce(counts, mesh.dp_cp)
                 comm.all_reduce(counts, mesh.tp)
+            matrix = _ep_token_matrix(local, mesh) if mesh.ep.size > 1 else None
             per_expert = counts[:-1]
             total = float(per_expert.sum())
             stats[f"layer{name}"] = {
@@ -112,6 +119,8 @@ def moe_statistics(model: ParallelModel) -> dict[str, Any]:
                 "imbalance": float(per_expert.max() / per_expert.mean()) if total else 0.0,
                 "dropped_fraction": float(counts[-1]) / total if total else 0.0,
             }
+            if matrix is not None:
+                stats[f"layer{name}"]["all_to_all_tokens"] = matrix
             rate = model.config.model.bias_update_rate
             if rate and moe.router.kind == "sigmoid":
                 moe.router.update_bias(per_expert.float(), rate)
@@ -120,26 +129,61 @@ def moe_statistics(model: ParallelModel) -> dict[str, Any]:
     return stats
 
 
+def _ep_token_matrix(local: torch.Tensor, mesh: Mesh) -> list[list[int]]:
+    """(ep, ep) token-slots ep rank i routed to the experts ep rank j holds, over all ep groups.
+
+    `local` (E,) is this rank's routing count per global expert; ep rank j holds the j-th
+    contiguous block of E / ep experts. Dropped slots are included (they were routed).
+    """
+    rows = comm.all_gather(local.reshape(1, -1), mesh.ep, dim=0)  # (ep, E)
+    comm.all_reduce(rows, mesh.edp)
+    comm.all_reduce(rows, mesh.tp)
+    ep = mesh.ep.size
+    return [[int(v) for v in row] for row in rows.reshape(ep, ep, -1).sum(-1).tolist()]
+
+
+def _wire_since(before: dict[tuple[str, str], int], mesh: Mesh) -> dict[str, int]:
+    """Wire bytes per axis counted by comm.py since the snapshot `before`."""
+    out: dict[str, int] = {}
+    for (axis, op), nbytes in mesh.stats.wire.items():
+        delta = nbytes - before.get((axis, op), 0)
+        if delta:
+            out[axis] = out.get(axis, 0) + delta
+    return out
+
+
 def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
     """One optimizer step on the global batch of `step`."""
     start = time.perf_counter()
+    wire_before = dict(model.mesh.stats.wire)
     device = model.extras.get("device", torch.device("cpu"))
+    clock = PhaseClock(device)
     batches = local_micro_batches(model, sampler, step)
     if model.runner is not None:
         loss_sum, aux_sum = model.runner.run(batches)
     else:
         loss_sum, aux_sum = forward_backward(model, batches, device)
+    clock.lap("forward_backward")  # compute, tp/cp/ep/pp communication, pipeline bubble
     model.optimizer.finish_grad_sync()
+    clock.lap("grad_sync")  # the data-parallel reduction not hidden behind the backward
+    held = held_memory(model.chunks, model.optimizer).without_padding()
+    clock.lap("statistics")
     grad_norm = model.optimizer.clip_grad_norm(model.config.train.grad_clip)
+    clock.lap("grad_norm")
     lr = lr_at(step, model.config.train)
     model.optimizer.step(lr)
+    clock.lap("optimizer")  # with ZeRO, also the parameter all-gather
+    wire = _wire_since(wire_before, model.mesh)  # before the reporting collectives below
     model.optimizer.zero_grad()
     mesh, train = model.mesh, model.config.train
     owns_loss = model.is_last_stage and mesh.tp.rank == 0
     loss = _report_sum(loss_sum, mesh, owns_loss) / (train.global_batch * train.seq_len)
     aux = _report_sum(aux_sum, mesh, mesh.tp.rank == 0 and model.extras.get("aux_owner", True)) / train.global_batch
     moe = moe_statistics(model) if model.config.model.is_moe else {}
-    return StepResult(step, loss, aux, grad_norm, lr, time.perf_counter() - start, train.global_batch * train.seq_len, moe)
+    clock.lap("statistics")  # loss and MoE statistics reductions
+    seconds = time.perf_counter() - start
+    tokens = train.global_batch * train.seq_len
+    return StepResult(step, loss, aux, grad_norm, lr, seconds, tokens, moe, wire, held, clock.laps)
 
 
 @torch.no_grad()
@@ -184,9 +228,8 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, record["step"])
+            for tag, value in flatten_scalars(record).items():
+                self.tb.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         if self.tb is not None:
@@ -208,6 +251,8 @@ def step_record(result: StepResult, flops_per_token: float = 0.0, peak_flops: fl
     }
     if flops_per_token and peak_flops and result.seconds:
         record["mfu"] = mfu(record["tokens_per_s"], flops_per_token, peak_flops)
+    if result.phases:
+        record["phase_seconds"] = result.phases
     if result.moe:
         record["aux_loss"] = result.aux_loss
         record["moe"] = result.moe

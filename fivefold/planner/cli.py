@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="how many layouts to show")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--optimizer", default="adam", help="adam, adamw or sgd")
+    p.add_argument("--compare", choices=("zero", "schedule", "axes"), default=None,
+                   help="zero: memory per ZeRO stage; schedule: bubble and activations per pipeline schedule "
+                        "(and their ideal Gantt charts as a PNG); axes: the five strategies side by side")
+    p.add_argument("--out", default="plan-schedules.png", help="PNG written by --compare schedule")
     return p
 
 
@@ -62,13 +66,19 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     model = load_model(args.model)
     if args.seq_len is not None:
         model = model.replace(seq_len=args.seq_len)
+    if args.compare:
+        from .compare import run_compare
+
+        return run_compare(args, model, hardware, out)
     if args.layout:
         return _one_layout(args, model, hardware, out)
     gpus = args.gpus or 8
     gb = args.global_batch or 8 * gpus
     cands = search(model, gpus=gpus, hardware=hardware, global_batch=gb, precision=args.precision,
                    optimizer=args.optimizer, top=max(args.top, 10))
-    text = explain(model, cands)
+    from .compare import rules_of_thumb
+
+    text = "\n".join([explain(model, cands), *rules_of_thumb(model, cands[0][1])])
     if args.json:
         print(to_json(cands, top=args.top, explanation=text))
     else:
