@@ -3,9 +3,10 @@
 Time model, per pipeline stage and micro-batch:
 
 * compute = matmul and attention FLOPs / (peak x ``matmul_efficiency``) + memory-bound
-  time. Attention FLOPs are halved for ``arch="llama"`` because fused causal attention
-  kernels skip the masked half (the reported FLOPs keep the full s x s, see flops.py);
-  the GPT layer materialises the full score matrix. The memory-bound part (norms,
+  time. Attention is timed by the FLOPs the model-FLOPs count gives it (the full s x s
+  score matrix, flops.py), so no layout can show an MFU above ``matmul_efficiency``; a
+  causal kernel that skips the masked half runs faster than this predicts for long
+  sequences, and its MFU by the PaLM definition would exceed the matmul rate. The memory-bound part (norms,
   activation functions, softmax, residuals, casts) is estimated as each saved activation
   being written once and read once per pass, i.e. 2 x saved bytes per forward, over
   ``hbm_bw``, for three passes (forward, and a backward of twice the traffic), four with
@@ -37,7 +38,7 @@ from .comm import (
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
 from .hardware import Hardware, get_hardware
 from .memory import StateBytes, state_bytes, zero_model_states
-from .params import embedding_block, head_block, is_tied, layer_params
+from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params
 from .pipeline import bubble_units, in_flight, in_flight_embedding, in_flight_output, stage_layers
 from .spec import LayoutSpec, ModelSpec
 from .validate import check_layout
@@ -151,14 +152,14 @@ def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _Layer
     lp = layer_params(m, i)
     t = lay.tp
     moe = lp.num_experts > 0
-    dense = lp.dense.sharded / t + lp.dense.replicated
+    kv_params, kv_matmul = kv_replica_params(m, t)
+    dense = lp.dense.sharded / t + lp.dense.replicated + kv_params
     expert = lp.num_experts / lay.ep * (lp.expert.sharded / t + lp.expert.replicated)
     act = activation_bytes_per_layer(m, lay, precision, moe)
     act_full = act if lay.recompute == "none" else activation_bytes_per_layer(m, lay.replace(recompute="none"), precision, moe)
     tokens = lay.micro_batch * m.seq_len / lay.cp
-    attn = 4.0 * tokens * m.seq_len * attention_width(m) / t
-    causal = 0.5 if m.arch == "llama" else 1.0
-    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * lp.matmul_active / t, attn * causal)
+    attn = 4.0 * tokens * m.seq_len * attention_width(m) / t  # the same count as the model FLOPs
+    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn)
 
 
 @dataclass(frozen=True)
@@ -210,12 +211,20 @@ def estimate(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A
              cache: CostCache | None = None) -> Estimate:
     """Predict memory, FLOPs, communication and time of ``layout`` for ``model``.
 
-    Raises `PlanError` for unknown names and layouts that do not divide the model; a
-    layout that does not fit in memory is returned with ``fits=False``.
+    Raises `PlanError` for unknown names and for layouts that ``fivefold train`` refuses
+    (the runtime's own validation, with its message); a layout that does not fit in memory
+    is returned with ``fits=False``.
     """
     hw = get_hardware(hardware)
     ctx = _context(model, layout, hw, precision, optimizer, cache)
-    check_layout(model, layout, gpus)
+    check_layout(model, layout, gpus, precision)
+    return estimate_valid(model, layout, hw, precision, optimizer, cache, ctx)
+
+
+def estimate_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
+                   cache: CostCache | None = None, ctx: _Ctx | None = None) -> Estimate:
+    """`estimate` of a layout already validated (by `check_layout` or the search)."""
+    ctx = ctx or _context(model, layout, hw, precision, optimizer, cache)
     memories, times, seen = [], [], {}
     for s, n_dense, n_moe in _stage_groups(model, layout):
         key = (n_dense, n_moe, s == 0, s == layout.pp - 1, _sends(layout, s))
@@ -293,7 +302,14 @@ def memory_grid(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware =
     can discard layouts that do not fit before timing them.
     """
     hw = get_hardware(hardware)
-    check_layout(model, layout)
+    check_layout(model, layout, precision=precision)
+    return memory_grid_valid(model, layout, hw, precision, optimizer, zeros, recomputes, cache)
+
+
+def memory_grid_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
+                      zeros: tuple[int, ...], recomputes: tuple[str, ...] = ("none", "selective", "full"),
+                      cache: CostCache | None = None) -> dict[tuple[int, str], int]:
+    """`memory_grid` of a layout already validated."""
     cache = cache if cache is not None and cache.model is model else CostCache(model, precision)
     groups = _stage_groups(model, layout)
     acts, states = {}, {}

@@ -17,12 +17,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ..layout import CP_ALGORITHMS as CP_KINDS
+from ..layout import RECOMPUTE, SCHEDULES
 from .errors import PlanError, UnknownNameError, choices
 
 ARCHS = ("gpt", "llama")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-RECOMPUTE = ("none", "selective", "full")
-CP_KINDS = ("allgather", "ring", "ulysses")
 
 _SCHEDULE_ALIASES = {
     "gpipe": "gpipe", "fill-drain": "gpipe", "1f1b": "1f1b", "pipedream-flush": "1f1b",
