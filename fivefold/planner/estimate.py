@@ -29,6 +29,7 @@ weights written, over ``hbm_bw``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .activations import activation_bytes_per_layer, activation_dtype_bytes, saved_tensors_embedding, saved_tensors_output
 from .comm import (
@@ -123,6 +124,9 @@ class CostCache:
         self._layers: dict = {}
         self._ends: dict = {}
         self._flops: dict = {}
+        self._comm: dict = {}
+        self._groups: dict = {}
+        self._memo: dict = {}
 
     def flops(self, global_batch: int, recompute: str) -> tuple[float, float]:
         """(model, hardware) FLOPs per step."""
@@ -138,6 +142,32 @@ class CostCache:
             self._layers[key] = _layer_cost(self.model, lay, self.precision, self.model.moe_layers.index(moe))
         return self._layers[key]
 
+    def pass_comm_s(self, lay: LayoutSpec, hw: Hardware, moe: bool) -> float:
+        """Seconds of the always-exposed collectives of one layer pass (one micro-batch):
+        tensor-, expert- and (all-gather/Ulysses) context-parallel. Collective time is linear
+        in the number of calls, so a stage's time is this times its layer passes."""
+        key = (hw, moe, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.recompute, lay.cp_kind)
+        if key not in self._comm:
+            m, ab = self.model, activation_dtype_bytes(self.precision)
+            colls = tp_layers(m, lay, ab, 1) + (ep_layers(m, lay, ab, 1) if moe else [])
+            if lay.cp_kind != "ring":
+                colls += cp_layers(m, lay, ab, 1)
+            self._comm[key] = sum(c.time(hw) for c in colls)
+        return self._comm[key]
+
+    def memo(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per key."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def stage_groups(self, lay: LayoutSpec) -> list[tuple[int, int, int]]:
+        """(stage, dense layers, MoE layers) of every pipeline stage of ``lay``."""
+        key = (lay.pp, lay.vpp)
+        if key not in self._groups:
+            self._groups[key] = _stage_groups(self.model, lay)
+        return self._groups[key]
+
     def ends(self, lay: LayoutSpec) -> tuple[int, int]:
         """Saved bytes per micro-batch of the embedding (first stage) and output (last)."""
         key = (lay.tp, lay.cp, lay.micro_batch, lay.sequence_parallel)
@@ -148,6 +178,13 @@ class CostCache:
         return self._ends[key]
 
 
+def _cache_for(cache: CostCache | None, model: ModelSpec, precision: str) -> CostCache:
+    """``cache`` when it holds costs of this model and precision, else a new one."""
+    if cache is None or cache.model is not model or cache.precision != precision:
+        return CostCache(model, precision)
+    return cache
+
+
 def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _LayerCost:
     lp = layer_params(m, i)
     t = lay.tp
@@ -156,7 +193,7 @@ def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _Layer
     dense = lp.dense.sharded / t + lp.dense.replicated + kv_params
     expert = lp.num_experts / lay.ep * (lp.expert.sharded / t + lp.expert.replicated)
     act = activation_bytes_per_layer(m, lay, precision, moe)
-    act_full = act if lay.recompute == "none" else activation_bytes_per_layer(m, lay.replace(recompute="none"), precision, moe)
+    act_full = act if lay.recompute == "none" else activation_bytes_per_layer(m, lay.with_states(lay.zero, "none"), precision, moe)
     tokens = lay.micro_batch * m.seq_len / lay.cp
     attn = 4.0 * tokens * m.seq_len * attention_width(m) / t  # the same count as the model FLOPs
     return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn)
@@ -191,8 +228,7 @@ def _context(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str,
              cache: CostCache | None) -> _Ctx:
     ab = activation_dtype_bytes(precision)
     sb = state_bytes(precision, optimizer)
-    if cache is None or cache.model is not model or cache.precision != precision:
-        cache = CostCache(model, precision)
+    cache = _cache_for(cache, model, precision)
     costs = {moe: cache.layer(layout, moe) for moe in set(model.moe_layers)}
     return _Ctx(model, layout, hw, precision, ab, sb, costs, cache.ends(layout))
 
@@ -224,16 +260,16 @@ def estimate(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A
 def estimate_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
                    cache: CostCache | None = None, ctx: _Ctx | None = None) -> Estimate:
     """`estimate` of a layout already validated (by `check_layout` or the search)."""
+    cache = _cache_for(cache, model, precision)
     ctx = ctx or _context(model, layout, hw, precision, optimizer, cache)
     memories, times, seen = [], [], {}
-    for s, n_dense, n_moe in _stage_groups(model, layout):
+    for s, n_dense, n_moe in cache.stage_groups(layout):
         key = (n_dense, n_moe, s == 0, s == layout.pp - 1, _sends(layout, s))
         memories.append(_stage_memory(ctx, s, n_dense, n_moe))
         if key not in seen:
             seen[key] = _stage_time(ctx, s, n_dense, n_moe, memories[-1])
         times.append(seen[key])
-    flops = (cache if cache is not None and cache.model is model else CostCache(model, precision)).flops(
-        layout.global_batch, layout.recompute)
+    flops = cache.flops(layout.global_batch, layout.recompute)
     return _combine(model, layout, hw, precision, optimizer, memories, times, flops)
 
 
@@ -310,22 +346,27 @@ def memory_grid_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precis
                       zeros: tuple[int, ...], recomputes: tuple[str, ...] = ("none", "selective", "full"),
                       cache: CostCache | None = None) -> dict[tuple[int, str], int]:
     """`memory_grid` of a layout already validated."""
-    cache = cache if cache is not None and cache.model is model else CostCache(model, precision)
-    groups = _stage_groups(model, layout)
+    cache = _cache_for(cache, model, precision)
+    groups = cache.stage_groups(layout)
     acts, states = {}, {}
     for r in recomputes:
-        ctx = _context(model, layout.replace(recompute=r), hw, precision, optimizer, cache)
+        ctx = _context(model, layout.with_states(layout.zero, r), hw, precision, optimizer, cache)
         acts[r] = [_stage_activations(ctx, *g) for g in groups]
-    for z in zeros:
-        per_key: dict = {}
-        row = []
-        for s, nd, nm in groups:
-            key = (s == 0, s == layout.pp - 1, nd, nm)
-            if key not in per_key:
-                per_key[key] = sum(_stage_states(ctx, s, nd, nm, z))
-            row.append(per_key[key])
-        states[z] = row
+    for z in zeros:  # model states do not depend on micro-batching, schedule or recomputation
+        key = ("states", layout.tp, layout.pp, layout.vpp, layout.ep, layout.dp * layout.cp, z, optimizer)
+        states[z] = cache.memo(key, lambda: _states_per_stage(ctx, groups, z))
     return {(z, r): max(a + st for a, st in zip(acts[r], states[z])) for z in zeros for r in recomputes}
+
+
+def _states_per_stage(ctx: _Ctx, groups: list[tuple[int, int, int]], zero: int) -> list[int]:
+    per_key: dict = {}
+    row = []
+    for s, nd, nm in groups:
+        key = (s == 0, s == ctx.lay.pp - 1, nd, nm)
+        if key not in per_key:
+            per_key[key] = sum(_stage_states(ctx, s, nd, nm, zero))
+        row.append(per_key[key])
+    return row
 
 
 def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdown) -> _StageTime:
@@ -372,31 +413,33 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
 
 def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str,
                      cache: CostCache) -> float:
-    """A step time that no (ZeRO, recomputation) variant of ``layout`` can beat.
+    """A step time that no ZeRO variant of ``layout`` (with its recomputation) can beat;
+    with ``recompute="none"`` one that no recomputation can beat either.
 
-    The least-loaded stage's compute without recomputation (including memory-bound time),
-    the smallest bubble the schedule can have, and the collectives the time model always
-    exposes (tensor-parallel, expert-parallel, all-gather/Ulysses context-parallel).
+    The least-loaded stage's compute with the layout's recomputation (including
+    memory-bound time), the smallest bubble the schedule can have, and the collectives the
+    time model always exposes (tensor-parallel, expert-parallel, all-gather/Ulysses
+    context-parallel). The bubble of ZB-H1 is at least a third of 1F1B's: F + B >= 2 W.
     """
-    lay = layout.replace(recompute="none")
+    lay = layout
     rate = hw.peak(precision) * hw.matmul_efficiency
     p, v, mbs = lay.pp, lay.vpp, lay.num_micro_batches
     n_layers = (model.layers // (p * v)) * v
     n_moe = min(model.num_moe_layers, (model.num_moe_layers // (p * v)) * v)
-    per = [(cache.layer(lay, False), n_layers - n_moe)] if n_layers > n_moe else []
+    per = [(False, n_layers - n_moe)] if n_layers > n_moe else []
     if n_moe:
-        per.append((cache.layer(lay, True), n_moe))
-    flops = sum((3 * c.mm + 3 * c.attn) * n for c, n in per)
-    traffic = sum(6.0 * c.act_full * n for c, n in per)
-    t_mb = flops / rate + traffic / hw.hbm_bw
+        per.append((True, n_moe))
+    passes = 4 if lay.recompute == "full" else 3
+    t_mb = 0.0
+    for moe, n in per:
+        c = cache.layer(lay, moe)
+        recompute = {"none": 0.0, "selective": c.attn, "full": c.mm + c.attn}[lay.recompute]
+        flops = 3 * c.mm + 3 * c.attn + recompute
+        t_mb += n * (flops / rate + 2.0 * passes * c.act_full / hw.hbm_bw + cache.pass_comm_s(lay, hw, moe))
     bubble = 0.0 if p == 1 else (p - 1) / (v if lay.schedule == "interleaved" else 1)
     if lay.schedule == "zb-h1":
         bubble /= 3
-    ab = activation_dtype_bytes(precision)
-    colls = tp_layers(model, lay, ab, n_layers * mbs) + ep_layers(model, lay, ab, n_moe * mbs)
-    if lay.cp_kind != "ring":
-        colls += cp_layers(model, lay, ab, n_layers * mbs)
-    return (mbs * t_mb + sum(c.time(hw) for c in colls)) * (1 + bubble / mbs)
+    return mbs * t_mb * (1 + bubble / mbs)
 
 
 def _dp_exposed(colls: list[Collective], hw: Hardware, mbs: int, buckets: int,

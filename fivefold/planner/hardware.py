@@ -290,6 +290,7 @@ def calibrate(save: bool = True, path: Path | None = None, quick: bool = False) 
         mem = CPU_DEFAULT.memory_bytes
     hw = dataclasses.replace(CPU_DEFAULT, peak_flops=bf16, peak_flops_fp32=fp32,
                              memory_bytes=int(mem), hbm_bw=copy_bw, intra_node_bw=ar_bw,
+                             inter_node_bw=min(CPU_DEFAULT.inter_node_bw, ar_bw),  # no faster than loopback
                              gpus_per_node=os.cpu_count() or CPU_DEFAULT.gpus_per_node,
                              memory_reserved_bytes=max(int(mem * 0.25), GiB))
     if save:

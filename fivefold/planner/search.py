@@ -151,10 +151,12 @@ def search(model: ModelSpec | str, gpus: int = 64, hardware: str | Hardware = "H
         if not fits:
             k_min = min(grid, key=grid.__getitem__)
             if smallest is None or grid[k_min] < smallest[0]:
-                smallest = (grid[k_min], lay.replace(zero=k_min[0], recompute=k_min[1]))
+                smallest = (grid[k_min], lay.with_states(*k_min))
             continue
         for z, r in _frontier(fits):
-            cand = lay.replace(zero=z, recompute=r)
+            cand = lay.with_states(z, r)
+            if r != "none" and top and len(best) >= top and time_lower_bound(m, cand, hw, precision, cache) > -best[0]:
+                continue  # its recomputation alone makes it slower than the top ones
             est = estimate_valid(m, cand, hw, precision, optimizer, cache=cache)
             out.append((cand, est))
             if top:

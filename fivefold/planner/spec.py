@@ -212,6 +212,15 @@ class LayoutSpec:
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
+    def with_states(self, zero: int, recompute: str) -> "LayoutSpec":
+        """This layout with another ZeRO stage and recomputation (checked, without re-checking
+        the other fields: a search derives thousands of these)."""
+        if zero not in (0, 1, 2, 3) or recompute not in RECOMPUTE:
+            raise PlanError(f"zero={zero!r}, recompute={recompute!r}: use zero 0-3 and one of {choices(RECOMPUTE)}")
+        new = object.__new__(LayoutSpec)
+        new.__dict__.update(self.__dict__, zero=zero, recompute=recompute)
+        return new
+
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches per pipeline per step: global_batch / (dp * micro_batch)."""
