@@ -127,3 +127,18 @@ def test_gpu_names_map_to_presets():
 def test_bad_input_names_the_fix(call, pattern):
     with pytest.raises(PlanError, match=pattern):
         call()
+
+
+def test_estimate_of_a_runtime_config():
+    from fivefold.config import load_config
+    from fivefold.planner import estimate_run
+    from fivefold.planner.bridge import model_spec
+
+    config = load_config("llama3-70b", ["layout.tp=8", "layout.pp=4", "layout.dp=2", "layout.zero=1",
+                                        "layout.micro_batch=1"])
+    e = estimate_run(config, "H100-80GB")
+    want = estimate(model_spec(config.model, 8192), LayoutSpec(tp=8, pp=4, dp=2, zero=1, micro_batch=1,
+                                                               global_batch=512), "H100-80GB")
+    assert e.layout == want.layout and e.memory == want.memory and e.step_time_s == want.step_time_s
+    with pytest.raises(LayoutError, match="zero=3 with pp=4"):
+        estimate_run(config.replace(layout=dataclasses.replace(config.layout, zero=3)))

@@ -31,7 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..config import Config
+from ..layout import validate
 from .activations import activation_bytes_per_layer, activation_dtype_bytes, saved_tensors_embedding, saved_tensors_output
+from .bridge import layout_spec, model_spec
 from .comm import (
     AXES, Collective, cp_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers, volumes_by_axis,
     volumes_by_kind,
@@ -255,6 +258,15 @@ def estimate(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A
     ctx = _context(model, layout, hw, precision, optimizer, cache)
     check_layout(model, layout, gpus, precision)
     return estimate_valid(model, layout, hw, precision, optimizer, cache, ctx)
+
+
+def estimate_run(config: Config, hardware: str | Hardware = "H100-80GB", optimizer: str = "adam") -> Estimate:
+    """`estimate` of a runtime `Config` (its model, layout, sequence length, batch and dtype)."""
+    config = validate(config)
+    spec = model_spec(config.model, config.train.seq_len)
+    layout = layout_spec(config.layout, config.train.global_batch)
+    hw = get_hardware(hardware)
+    return estimate_valid(spec, layout, hw, "bf16" if config.train.dtype == "bf16" else "fp32", optimizer)
 
 
 def estimate_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
