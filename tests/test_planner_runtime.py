@@ -137,8 +137,8 @@ def test_estimate_of_a_runtime_config():
     config = load_config("llama3-70b", ["layout.tp=8", "layout.pp=4", "layout.dp=2", "layout.zero=1",
                                         "layout.micro_batch=1"])
     e = estimate_run(config, "H100-80GB")
-    want = estimate(model_spec(config.model, 8192), LayoutSpec(tp=8, pp=4, dp=2, zero=1, micro_batch=1, cp_kind="ring",
-                                                               global_batch=512), "H100-80GB")
+    layout = LayoutSpec(tp=8, pp=4, dp=2, zero=1, micro_batch=1, cp_kind="ring", global_batch=512)
+    want = estimate(model_spec(config.model, 8192), layout, "H100-80GB")
     assert e.layout == want.layout and e.memory == want.memory and e.step_time_s == want.step_time_s
     with pytest.raises(LayoutError, match="zero=3 with pp=4"):
         estimate_run(config.replace(layout=dataclasses.replace(config.layout, zero=3)))

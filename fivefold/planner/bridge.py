@@ -2,9 +2,10 @@
 
 The planner keeps its own frozen specs (their fields are public API), but every rule about
 which layouts can run is the runtime's: `validate.check_layout` converts a candidate with
-`runtime_config` and runs `fivefold.layout.validate` on it. The GPT layer (``arch="gpt"``) is not trained by fivefold; it is
-checked as the Llama layer of the same widths, since the split rules (heads, widths,
-vocabulary, sequence, experts, pipeline) do not depend on the layer's norms or activation.
+`runtime_config` and runs `fivefold.layout.validate` on it. The GPT layer (``arch="gpt"``)
+is not trained by fivefold; it is checked as the Llama layer of the same widths, since the
+split rules (heads, widths, vocabulary, sequence, experts, pipeline) do not depend on the
+layer's norms or activation.
 """
 
 from __future__ import annotations

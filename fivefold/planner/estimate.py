@@ -196,7 +196,10 @@ def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _Layer
     dense = lp.dense.sharded / t + lp.dense.replicated + kv_params
     expert = lp.num_experts / lay.ep * (lp.expert.sharded / t + lp.expert.replicated)
     act = activation_bytes_per_layer(m, lay, precision, moe)
-    act_full = act if lay.recompute == "none" else activation_bytes_per_layer(m, lay.with_states(lay.zero, "none"), precision, moe)
+    if lay.recompute == "none":
+        act_full = act
+    else:
+        act_full = activation_bytes_per_layer(m, lay.with_states(lay.zero, "none"), precision, moe)
     tokens = lay.micro_batch * m.seq_len / lay.cp
     attn = 4.0 * tokens * m.seq_len * attention_width(m) / t  # the same count as the model FLOPs
     return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn)
