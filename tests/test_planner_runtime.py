@@ -142,3 +142,23 @@ def test_estimate_of_a_runtime_config():
     assert e.layout == want.layout and e.memory == want.memory and e.step_time_s == want.step_time_s
     with pytest.raises(LayoutError, match="zero=3 with pp=4"):
         estimate_run(config.replace(layout=dataclasses.replace(config.layout, zero=3)))
+
+
+@pytest.mark.parametrize("lay", [
+    LayoutSpec(dp=2, pp=3, global_batch=12), LayoutSpec(dp=2, tp=2, pp=2, vpp=3, schedule="interleaved", global_batch=8),
+    LayoutSpec(dp=4, ep=2, global_batch=8), LayoutSpec(dp=2, pp=4, schedule="gpipe", global_batch=8)])
+def test_memory_grid_equals_the_estimates_it_stands_for(lay):
+    from fivefold.planner import memory_grid
+    from fivefold.planner.estimate import CostCache
+
+    model = MOE.replace(layers=6) if lay.ep > 1 else DENSE
+    zeros = (0, 1, 2) if lay.pp > 1 else (0, 1, 2, 3)
+    def estimates(cache):
+        return {(z, r): estimate(model, lay.with_states(z, r), "H100-80GB", cache=cache).memory.total
+                for z in zeros for r in ("none", "selective", "full")}
+
+    cache = CostCache(model, "bf16")  # estimates first, then the grid on the same cache
+    first = estimates(cache)
+    assert memory_grid(model, lay, "H100-80GB", zeros=zeros, cache=cache) == first
+    cache = CostCache(model, "bf16")  # and the other way round
+    assert memory_grid(model, lay, "H100-80GB", zeros=zeros, cache=cache) == first == estimates(cache)

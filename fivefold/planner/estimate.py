@@ -277,20 +277,18 @@ def estimate_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision
     """`estimate` of a layout already validated (by `check_layout` or the search)."""
     cache = _cache_for(cache, model, precision)
     ctx = ctx or _context(model, layout, hw, precision, optimizer, cache)
-    memories, times, seen = [], [], {}
-    for s, n_dense, n_moe in cache.stage_groups(layout):
-        key = (n_dense, n_moe, s == 0, s == layout.pp - 1, _sends(layout, s))
-        memories.append(_stage_memory(ctx, s, n_dense, n_moe))
+    groups = cache.stage_groups(layout)
+    states = cache.memo(_states_key(layout, layout.zero, optimizer), lambda: _states_per_stage(ctx, groups, layout.zero))
+    totals = [a + st for a, st in zip(_stage_activations(ctx, groups), states)]
+    times, seen = [], {}
+    for s, n_dense, n_moe in groups:  # stages with the same layers and ends take the same time
+        key = (n_dense, n_moe, s == 0, s == layout.pp - 1)
         if key not in seen:
-            seen[key] = _stage_time(ctx, s, n_dense, n_moe, memories[-1])
+            seen[key] = _stage_time(ctx, s, n_dense, n_moe, _stage_memory(ctx, s, n_dense, n_moe))
         times.append(seen[key])
+    worst = _stage_memory(ctx, *groups[max(range(len(totals)), key=totals.__getitem__)])
     flops = cache.flops(layout.global_batch, layout.recompute)
-    return _combine(model, layout, hw, precision, optimizer, memories, times, flops)
-
-
-def _sends(lay: LayoutSpec, s: int) -> tuple[int, int]:
-    chunks = [s + k * lay.pp for k in range(lay.vpp)]
-    return sum(j < lay.pp * lay.vpp - 1 for j in chunks), sum(j > 0 for j in chunks)
+    return _combine(model, layout, hw, precision, optimizer, worst, totals, times, flops)
 
 
 def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -> tuple[float, float]:
@@ -310,17 +308,26 @@ def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -
     return dense, expert
 
 
-def _stage_activations(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> int:
+def _stage_activations(ctx: _Ctx, groups: list[tuple[int, int, int]]) -> list[int]:
+    """Saved-activation bytes at the peak of each (stage, dense layers, MoE layers) in ``groups``."""
     lay = ctx.lay
-    per = [(ctx.costs[k], n) for k, n in ((False, n_dense), (True, n_moe)) if n]
-    act = in_flight(lay, s) * sum(c.act * n for c, n in per)
-    if s == 0:
-        act += in_flight_embedding(lay) * ctx.ends[0]
-    if s == lay.pp - 1:
-        act += in_flight_output(lay) * ctx.ends[1]
-    if lay.recompute == "full" and per:
-        act += max(c.act_full for c, _ in per)  # one layer rematerialised during backward
-    return int(act)
+    embedding = in_flight_embedding(lay) * ctx.ends[0]
+    output = in_flight_output(lay) * ctx.ends[1]
+    per_layers: dict = {}  # (dense, MoE layers) -> (bytes per micro-batch, rematerialised layer)
+    out = []
+    for s, n_dense, n_moe in groups:
+        if (n_dense, n_moe) not in per_layers:
+            per = [(ctx.costs[k], n) for k, n in ((False, n_dense), (True, n_moe)) if n]
+            remat = max(c.act_full for c, _ in per) if lay.recompute == "full" and per else 0
+            per_layers[n_dense, n_moe] = (sum(c.act * n for c, n in per), remat)
+        layers, remat = per_layers[n_dense, n_moe]
+        act = in_flight(lay, s) * layers
+        if s == 0:
+            act += embedding
+        if s == lay.pp - 1:
+            act += output
+        out.append(int(act + remat))  # one layer rematerialised during backward with full recomputation
+    return out
 
 
 def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tuple[int, int, int, int]:
@@ -338,7 +345,7 @@ def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tup
 
 def _stage_memory(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> MemoryBreakdown:
     p, g, o, buf = _stage_states(ctx, s, n_dense, n_moe, ctx.lay.zero)
-    act = _stage_activations(ctx, s, n_dense, n_moe)
+    act = _stage_activations(ctx, [(s, n_dense, n_moe)])[0]
     return MemoryBreakdown(p, g, o, act, buf, s, ctx.hw.usable_memory_bytes)
 
 
@@ -362,15 +369,36 @@ def memory_grid_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precis
                       cache: CostCache | None = None) -> dict[tuple[int, str], int]:
     """`memory_grid` of a layout already validated."""
     cache = _cache_for(cache, model, precision)
-    groups = cache.stage_groups(layout)
+    all_groups = cache.stage_groups(layout)
+    peaks = _peak_candidates(all_groups)
+    groups = [all_groups[i] for i in peaks]
     acts, states = {}, {}
     for r in recomputes:
         ctx = _context(model, layout.with_states(layout.zero, r), hw, precision, optimizer, cache)
-        acts[r] = [_stage_activations(ctx, *g) for g in groups]
+        acts[r] = _stage_activations(ctx, groups)
     for z in zeros:  # model states do not depend on micro-batching, schedule or recomputation
-        key = ("states", layout.tp, layout.pp, layout.vpp, layout.ep, layout.dp * layout.cp, z, optimizer)
-        states[z] = cache.memo(key, lambda: _states_per_stage(ctx, groups, z))
+        row = cache.memo(_states_key(layout, z, optimizer), lambda: _states_per_stage(ctx, all_groups, z))
+        states[z] = [row[i] for i in peaks]
     return {(z, r): max(a + st for a, st in zip(acts[r], states[z])) for z in zeros for r in recomputes}
+
+
+def _peak_candidates(groups: list[tuple[int, int, int]]) -> list[int]:
+    """Indices of the stages among which the most loaded one is: the first of each kind.
+
+    Stages with the same layers and ends hold the same model states, and activations for
+    more micro-batches the earlier they sit (micro-batches in flight never grow with the
+    stage index under any schedule), so the first of them needs the most memory.
+    """
+    first: dict = {}
+    last = groups[-1][0]
+    for i, (s, nd, nm) in enumerate(groups):
+        first.setdefault((nd, nm, s == 0, s == last), i)
+    return list(first.values())
+
+
+def _states_key(lay: LayoutSpec, zero: int, optimizer: str) -> tuple:
+    """What the model states of every stage depend on (not micro-batching, schedule or recomputation)."""
+    return ("states", lay.tp, lay.pp, lay.vpp, lay.ep, lay.dp * lay.cp, zero, optimizer)
 
 
 def _states_per_stage(ctx: _Ctx, groups: list[tuple[int, int, int]], zero: int) -> list[int]:
@@ -468,7 +496,7 @@ def _dp_exposed(colls: list[Collective], hw: Hardware, mbs: int, buckets: int,
 
 
 def _combine(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
-             memories: list[MemoryBreakdown], times: list[_StageTime],
+             worst: MemoryBreakdown, stage_totals: list[int], times: list[_StageTime],
              flops: tuple[float, float]) -> Estimate:
     mbs = lay.num_micro_batches
     per_mb = [st.t_f + st.t_b + st.t_w + sum(st.inner_exposed.values()) / mbs for st in times]
@@ -477,7 +505,6 @@ def _combine(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimi
     units = bubble_units(lay, st.t_f, st.t_b, st.t_w)
     tail = max(t.dp_exposed + t.optimizer_s for t in times)
     step = (mbs + units) * per_mb[slow] + tail
-    worst = max(memories, key=lambda mem: mem.total)
 
     colls: list[Collective] = []
     comm_bytes, by_kind, comm_time, exposed = {}, {}, {}, {}
@@ -503,4 +530,4 @@ def _combine(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimi
         hardware_tflops_per_device=hflops / step / lay.world / 1e12,
         mfu=mflops / step / peak, hfu=hflops / step / peak,
         fits=worst.total <= hw.usable_memory_bytes,
-        stage_memory=tuple(mem.total for mem in memories), collectives=tuple(colls))
+        stage_memory=tuple(stage_totals), collectives=tuple(colls))
