@@ -14,19 +14,22 @@ all-to-all (n - 1)/n B of the local buffer, evenly split; a point-to-point send 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from .config import Config
+
+if TYPE_CHECKING:
+    import torch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 class Call(NamedTuple):
-    """``count`` calls of ``op`` on a buffer of ``nbytes`` (see `wire_bytes` for which buffer)."""
+    """``calls`` calls of ``op`` on a buffer of ``nbytes`` (see `wire_bytes` for which buffer)."""
 
     op: str
     nbytes: float  # whole bytes for the runtime; a planner's per-device share may be fractional
-    count: float
+    calls: float
     phase: str  # "fwd", "bwd" or "step"
     what: str
 
@@ -62,8 +65,8 @@ def total_wire_bytes(calls: Sequence[Call], n: int) -> dict[str, int]:
     """Wire bytes per op of ``calls`` on a group of ``n`` ranks."""
     out: dict[str, int] = {}
     for c in calls:
-        if c.count:
-            out[c.op] = out.get(c.op, 0) + int(c.count) * wire_bytes(c.op, int(c.nbytes), n)
+        if c.calls:
+            out[c.op] = out.get(c.op, 0) + int(c.calls) * wire_bytes(c.op, int(c.nbytes), n)
     return out
 
 
@@ -152,7 +155,7 @@ def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
     sp = layout.sequence_parallel
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.layers))
     per_mb = tp_layer_calls(x, sp) * model.layers + tp_end_calls(x, rows, sp, True, True)
-    calls = [c._replace(count=c.count * layout.grad_accum) for c in per_mb]
+    calls = [c._replace(calls=c.calls * layout.grad_accum) for c in per_mb]
     calls += tp_step_calls(model.hidden, model.head_dim, model.n_kv_heads, n, model.num_experts, model.layers,
                            moe_layers, sp, True, fp32)
     return total_wire_bytes(calls, n)
@@ -206,11 +209,7 @@ def ep_layer_calls(routed_bytes: int, forward_passes: int = 1) -> list[Call]:
             Call("all_to_all", routed_bytes, 2, "bwd", "dispatch + combine grads")]
 
 
-class _Counts(Protocol):
-    def __getitem__(self, index): ...
-
-
-def all_to_all_wire_bytes(sent: _Counts, rank: int, hidden: int, element_bytes: int, calls: int,
+def all_to_all_wire_bytes(sent: torch.Tensor, rank: int, hidden: int, element_bytes: int, calls: int,
                           count_bytes: int = 8) -> int:
     """All-to-all bytes one ep rank puts on the wire, forward and backward, for actual routing.
 
@@ -240,7 +239,7 @@ def pp_calls(act_bytes: int, forward_sends: int, backward_sends: int) -> list[Ca
 # ----------------------------------------------------------------------------- data parallel
 
 
-def dp_step_calls(zero: int, grad_bytes: int, param_bytes: int, micro_batches: int,
+def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batches: int,
                   gathers_per_micro_batch: int = 2) -> list[Call]:
     """Data-parallel (ZeRO) collectives of one step for a rank's gradients / parameters.
 

@@ -75,7 +75,7 @@ def _act_elems(m: ModelSpec, lay: LayoutSpec) -> int:
 
 
 def _collectives(axis: str, calls: list[Call], group: int, span: int, times: float = 1) -> list[Collective]:
-    return [Collective(axis, c.op, c.nbytes, group, c.count * times, span, c.phase, c.what) for c in calls if c.count]
+    return [Collective(axis, c.op, c.nbytes, group, c.calls * times, span, c.phase, c.what) for c in calls if c.calls]
 
 
 def _forward_passes(lay: LayoutSpec) -> int:
