@@ -53,13 +53,15 @@ def test_auto_layout_plans_for_the_cuda_device_the_run_uses(monkeypatch):
     import torch
 
     import fivefold.mesh
-    from fivefold.planner.auto import run_hardware
+    from fivefold.planner.auto import default_world_size, run_hardware
 
     props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_000_000_000)
     monkeypatch.setattr(fivefold.mesh, "device_for", lambda preference: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     config = load_config("tiny")
     assert run_hardware(config, 8) == HARDWARE["H100-80GB"]  # the preset, whole device memory per rank
+    assert default_world_size(config) == 4  # one process per GPU
     assert run_hardware(config, 8, hardware="cpu").name == "cpu"  # an explicit choice wins
 
 

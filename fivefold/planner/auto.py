@@ -18,7 +18,8 @@ from .bridge import model_spec, runtime_layout
 from .hardware import Hardware, calibrate, get_hardware, hardware_for_gpu, load_calibration
 from .spec import ModelSpec
 
-__all__ = ["choose_layout", "machine_hardware", "run_hardware", "model_spec", "layout_from_spec"]
+__all__ = ["choose_layout", "default_world_size", "machine_hardware", "run_hardware", "model_spec",
+           "layout_from_spec"]
 
 layout_from_spec = runtime_layout  # the name this module has always exported
 
@@ -37,19 +38,31 @@ def machine_hardware(world_size: int, hardware: str | Hardware | None = None) ->
     return hw
 
 
+def _run_device(config: Config):
+    """The device a rank of this run computes on (the rule the run itself uses)."""
+    from ..mesh import device_for
+
+    return device_for(config.train.device)
+
+
 def run_hardware(config: Config, world_size: int, hardware: str | Hardware | None = None) -> Hardware:
     """The hardware a run of ``config`` computes on: ``hardware`` when given; else the preset
     of the CUDA device the run would use (`fivefold.mesh.device_for`), or this machine."""
-    if hardware is None:
+    if hardware is None and _run_device(config).type == "cuda":
         import torch
 
-        from ..mesh import device_for
-
-        device = device_for(config.train.device)
-        if device.type == "cuda":
-            props = torch.cuda.get_device_properties(device.index or 0)
-            return hardware_for_gpu(props.name, props.total_memory)
+        props = torch.cuda.get_device_properties(_run_device(config).index or 0)
+        return hardware_for_gpu(props.name, props.total_memory)
     return machine_hardware(world_size, hardware)
+
+
+def default_world_size(config: Config) -> int:
+    """Processes when none are asked for: one per local GPU on CUDA, else up to 8 CPU processes."""
+    if _run_device(config).type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return min(os.cpu_count() or 1, 8)
 
 
 def choose_layout(
@@ -62,7 +75,7 @@ def choose_layout(
     from .explain import explain
     from .search import search
 
-    world = world_size or min(os.cpu_count() or 1, 8)
+    world = world_size or default_world_size(config)
     hw = run_hardware(config, world, hardware)
     precision = "bf16" if config.train.dtype == "bf16" else "fp32"
     spec = model_spec(config.model, config.train.seq_len)
