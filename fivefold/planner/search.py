@@ -54,9 +54,9 @@ def _accepted(config: Config) -> Config | None:
 
 
 def _zero_stages(layout: Layout) -> tuple[int, ...]:
-    """ZeRO stages the runtime accepts for an otherwise valid layout (its own zero rule)."""
-    stages = []
-    for z in ZERO_STAGES:
+    """ZeRO stages the runtime accepts for a layout it accepts with ``zero=0`` (its zero rule)."""
+    stages = [0]
+    for z in ZERO_STAGES[1:]:
         try:
             _check_zero(dataclasses.replace(layout, zero=z))
         except LayoutError:
