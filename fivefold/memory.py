@@ -80,14 +80,3 @@ def zero_formula_bytes(psi: int, n: int, stage: int) -> dict[str, float]:
         "grads": GRAD_BYTES * psi * (shard if stage >= 2 else 1.0),
         "optimizer": OPTIMIZER_BYTES * psi * (shard if stage >= 1 else 1.0),
     }
-
-
-def dp_comm_bytes_per_step(param_bytes: int, n: int, stage: int, micro_batches: int = 1) -> int:
-    """Analytic ring bytes one rank sends on the data-parallel axis in one optimizer step.
-
-    Stages 0-2: 2(n-1)/n of the gradient bytes (one all-reduce, or reduce-scatter then
-    all-gather). Stage 3: (n-1)/n for each gather (forward and backward of every micro-batch)
-    plus one reduce-scatter. `param_bytes` includes any padding to a multiple of n.
-    """
-    passes = 2 if stage < 3 else 2 * micro_batches + 1
-    return passes * (n - 1) * param_bytes // n

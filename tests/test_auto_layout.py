@@ -45,3 +45,32 @@ def test_auto_layout_reports_when_nothing_fits():
     tiny_memory = dataclasses.replace(HARDWARE["cpu"], memory_bytes=1000, memory_reserved_bytes=0)
     with pytest.raises(PlanError):
         choose_layout(load_config("small"), 2, hardware=tiny_memory, show=None)
+
+
+def test_auto_layout_plans_for_the_cuda_device_the_run_uses(monkeypatch):
+    import types
+
+    import torch
+
+    import fivefold.mesh
+    from fivefold.planner.auto import default_world_size, run_hardware
+
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_000_000_000)
+    monkeypatch.setattr(fivefold.mesh, "device_for", lambda preference: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    config = load_config("tiny")
+    assert run_hardware(config, 8) == HARDWARE["H100-80GB"]  # the preset, whole device memory per rank
+    assert default_world_size(config) == 4  # one process per GPU
+    assert run_hardware(config, 8, hardware="cpu").name == "cpu"  # an explicit choice wins
+
+
+def test_auto_layout_uses_the_cpu_calibration_for_cpu_runs(tmp_path, monkeypatch):
+    from fivefold.planner.auto import run_hardware
+    from fivefold.planner.hardware import CPU_DEFAULT, save_calibration
+
+    monkeypatch.setenv("FIVEFOLD_CACHE_DIR", str(tmp_path))
+    save_calibration(CPU_DEFAULT)
+    config = load_config("tiny", ["train.device=cpu"])
+    hw = run_hardware(config, 4)
+    assert hw.name == "cpu" and hw.memory_bytes == CPU_DEFAULT.memory_bytes // 4  # shared by 4 processes

@@ -20,7 +20,6 @@ from fivefold.config import Layout, load_config
 from fivefold.layout import LayoutError, validate
 from fivefold.parallel.context_parallel import (
     CORES,
-    analytic_cp_bytes,
     block_backward,
     block_backward_reference,
     block_forward,
@@ -31,6 +30,7 @@ from fivefold.parallel.context_parallel import (
     local_positions,
     merge_block,
 )
+from fivefold.volumes import analytic_cp_bytes
 
 # ----------------------------------------------------------------------------- pure logic
 

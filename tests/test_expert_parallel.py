@@ -111,7 +111,7 @@ def _train_with_ep(ctx, configs, steps):
 
 def _check_accounting(config, per_rank) -> None:
     """Measured ep all-to-all bytes of every rank == the analytic volume of the routing counts."""
-    from fivefold.parallel.expert_parallel import all_to_all_wire_bytes
+    from fivefold.volumes import all_to_all_wire_bytes
 
     layout = validate(config).layout
     hidden = config.model.hidden

@@ -9,7 +9,6 @@ import torch
 
 from fivefold.model.moe import Experts, capacity_keep
 from fivefold.parallel.expert_parallel import (
-    all_to_all_wire_bytes,
     chunk_capacity_offsets,
     dispatch_order,
     inverse_permutation,
@@ -17,6 +16,7 @@ from fivefold.parallel.expert_parallel import (
     regroup_by_local_expert,
     unpermute,
 )
+from fivefold.volumes import all_to_all_wire_bytes
 
 
 def _random_routing(gen: torch.Generator, slots: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,12 +18,11 @@ from fivefold.parallel.pipeline import (
     release_storage,
     stage_layer_ids,
 )
+from fivefold.layout import SCHEDULES
 from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.timeline import Event, bubble_formula, bubble_fraction, chrome_trace, draw_gantt
 from fivefold.parity import assert_parity
 from helpers import layout_parity, trace_on_rank
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def _config(preset: str = "tiny", **layout) -> object:

@@ -218,7 +218,8 @@ def test_time_metrics_are_consistent():
     assert e.hfu >= e.mfu
 
 
-def test_hardware_presets():
+def test_hardware_presets(tmp_path, monkeypatch):
+    monkeypatch.setenv("FIVEFOLD_CACHE_DIR", str(tmp_path))  # "cpu": the defaults, not this user's calibration
     for name in ("V100-32GB", "A100-40GB", "A100-80GB", "H100-80GB", "H800", "H200", "cpu"):
         hw = HARDWARE[name]
         assert hw.peak_flops > 0 and hw.memory_bytes > 0 and hw.gpus_per_node >= 1

@@ -66,7 +66,8 @@ LAYOUTS = {
         {"pp": 2, "grad_accum": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2, "cp_algorithm": "allgather"},
         {"cp": 2, "cp_algorithm": "ulysses"},
     ],
-    4: [{"dp": 2, "tp": 2, "zero": 2}, {"tp": 2, "cp": 2, "cp_algorithm": "ring", "sequence_parallel": True}],
+    4: [{"dp": 2, "tp": 2, "zero": 2}, {"tp": 2, "cp": 2, "cp_algorithm": "ring", "sequence_parallel": True},
+        {"tp": 4}],  # tiny has 2 kv heads: tp=4 repeats each on 2 ranks
 }
 
 

@@ -71,8 +71,8 @@ def test_parse_layout_round_trip():
 @pytest.mark.parametrize("call,pattern", [
     (lambda: load_model("gpt-5"), "unknown model 'gpt-5'.*llama3-8b"),
     (lambda: estimate(SMALL, LayoutSpec(), "TPU-v9"), "unknown hardware 'TPU-v9'.*H100-80GB"),
-    (lambda: estimate(SMALL, LayoutSpec(tp=3, global_batch=1)), r"tp=3 .*tp can be one of 1, 2, 4"),
-    (lambda: estimate(SMALL, LayoutSpec(dp=3, global_batch=8)), "global_batch=8 is not divisible by dp=3"),
+    (lambda: estimate(SMALL, LayoutSpec(tp=3, global_batch=1)), r"tp=3 does not divide 8 attention heads; use one of 1, 2, 4, 8"),
+    (lambda: estimate(SMALL, LayoutSpec(dp=3, global_batch=8)), "global_batch=8 does not split over dp=3; use a multiple of 3"),
     (lambda: estimate(SMALL, LayoutSpec(ep=2, dp=2, global_batch=2)), "ep=2 needs a Mixture-of-Experts"),
     (lambda: LayoutSpec(schedule="pipedream-2bw"), "schedule='pipedream-2bw' is unknown.*1f1b"),
     (lambda: LayoutSpec(vpp=2), "vpp=2 needs schedule='interleaved'"),
@@ -80,7 +80,7 @@ def test_parse_layout_round_trip():
     (lambda: estimate(SMALL, LayoutSpec(), optimizer="lion"), "optimizer='lion' is unknown"),
     (lambda: estimate(SMALL, LayoutSpec(dp=2, global_batch=2), gpus=4), "but gpus=4"),
     (lambda: estimate(SMALL, LayoutSpec(pp=4, vpp=4, schedule="interleaved", global_batch=4)),
-     "pp\\*vpp = 16 model chunks exceed layers=8"),
+     "pp=4 x vpp=4 = 16 pipeline chunks but the model has only 8 layers"),
     (lambda: parse_layout("dp=2,foo=3"), "layout item 'foo=3'"),
     (lambda: ModelSpec(layers=2, hidden=100, heads=3, vocab=10), "hidden=100 is not divisible by heads=3"),
     (lambda: search(SMALL, gpus=0), "gpus must be a positive integer"),
@@ -138,3 +138,7 @@ def test_cli_bad_input_returns_2(capsys):
     assert run_plan_cli(["--model", "nope", "--gpus", "8"]) == 2
     assert "unknown model" in capsys.readouterr().err
     assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=2,tp=2", "--gpus", "8"]) == 2
+    assert run_plan_cli(["--model", "llama3-8b", "--gpus", "0"]) == 2
+    assert "gpus must be a positive integer, got 0" in capsys.readouterr().err
+    assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=2,pp=2,zero=3", "--global-batch", "8"]) == 2
+    assert "zero=3 with pp=2 is not supported" in capsys.readouterr().err

@@ -24,8 +24,9 @@ from fivefold.model import Transformer
 from fivefold.parallel.sharding import Placement, Split, is_primary, replica_count
 from fivefold.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, apply_plan, padded_vocab,
-    tensor_parallel_plan, tp_wire_bytes_per_step,
+    tensor_parallel_plan,
 )
+from fivefold.volumes import tp_wire_bytes_per_step
 
 STEPS = 2
 HAS_DP = importlib.util.find_spec("fivefold.parallel.data_parallel") is not None

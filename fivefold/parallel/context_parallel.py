@@ -71,40 +71,6 @@ def sequence_sharder(mesh: Mesh, config: Config) -> Callable:
     return shard
 
 
-# ----------------------------------------------------------------------------- analytic volumes
-
-
-def kv_heads_sent(algorithm: str, cp: int, kv_heads: int) -> int:
-    """K/V heads each rank sends: Ulysses repeats them up to cp when fewer than cp."""
-    if algorithm == "ulysses" and kv_heads % cp:
-        return cp
-    return kv_heads
-
-
-def analytic_cp_bytes(
-    algorithm: str, cp: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int, elem_bytes: int = 4
-) -> int:
-    """Bytes one rank puts on the cp axis for one attention layer, forward plus backward.
-
-    heads, kv_heads: the heads this rank holds (after tensor parallel). KV = one local K and V.
-    allgather: AG of K,V forward, RS of dK,dV backward: 2 (cp-1) KV.
-    ring: cp-1 K/V hops forward, cp-1 again in the backward, cp hops of the dK/dV accumulator.
-    ulysses: (cp-1)/cp of Q,K,V and of the output, each way, forward and backward.
-    """
-    if cp == 1:
-        return 0
-    token = batch * local_len * head_dim * elem_bytes  # one head of one rank's tokens
-    kv = 2 * kv_heads * token
-    if algorithm == "allgather":
-        return 2 * (cp - 1) * kv
-    if algorithm == "ring":
-        return (3 * cp - 2) * kv
-    if algorithm == "ulysses":
-        per_rank_block = (2 * heads + 2 * kv_heads_sent(algorithm, cp, kv_heads)) * token // cp
-        return 2 * (cp - 1) * per_rank_block
-    raise ValueError(f"unknown cp algorithm {algorithm!r}")
-
-
 # ----------------------------------------------------------------------------- block attention math
 
 

@@ -104,25 +104,6 @@ def chunk_capacity_offsets(per_choice: torch.Tensor, index: int) -> torch.Tensor
     return earlier_choices + earlier_chunks
 
 
-def all_to_all_wire_bytes(
-    sent: torch.Tensor, rank: int, hidden: int, element_bytes: int, calls: int, count_bytes: int = 8
-) -> int:
-    """Analytic all-to-all bytes one ep rank puts on the wire, forward and backward.
-
-    sent (ep, E): slots each ep rank sent to each global expert (summed over calls). Forward
-    dispatch sends this rank's rows for other ranks' experts and combine returns the rows it
-    received from others; backward sends both again in reverse. Each of the `calls` dispatches
-    also exchanges its E/ep counts with the ep - 1 other ranks.
-    """
-    ep, E = sent.shape
-    local = E // ep
-    mine = slice(rank * local, (rank + 1) * local)
-    sent_to_others = int(sent[rank].sum() - sent[rank, mine].sum())
-    received_from_others = int(sent[:, mine].sum() - sent[rank, mine].sum())
-    tokens = 2 * (sent_to_others + received_from_others) * hidden * element_bytes
-    return tokens + calls * (ep - 1) * local * count_bytes
-
-
 # ----------------------------------------------------------------------------- the dispatcher
 
 
@@ -214,7 +195,7 @@ def moe_dispatchers(chunks: Sequence[nn.Module]) -> dict[str, ExpertParallelDisp
 
 
 __all__ = [
-    "ExpertParallelDispatcher", "all_to_all_wire_bytes", "apply_expert_parallel", "chunk_capacity_offsets",
+    "ExpertParallelDispatcher", "apply_expert_parallel", "chunk_capacity_offsets",
     "dispatch_order", "inverse_permutation", "moe_dispatchers", "rank_splits",
     "regroup_by_local_expert", "unpermute",
 ]

@@ -53,6 +53,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+from ..layout import SCHEDULES
+
 
 class ActionKind(enum.Enum):
     """What one entry of a rank's list asks the executor to do."""
@@ -440,12 +442,12 @@ def zero_bubble_h1(pp: int, num_microbatches: int) -> Table:
     return _build(lambda r: _zb_h1_order(r, pp, num_microbatches), pp, 1)
 
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zero-bubble")
+ALIASES = {"zero-bubble": "zb-h1"}  # other names accepted for the schedules of layout.SCHEDULES
 
 
 def build_schedule(name: str, pp: int, num_microbatches: int, vpp: int = 1) -> Table:
-    """Table of actions for one of :data:`SCHEDULES`, one list per pipeline rank."""
-    key = name.lower()
+    """Table of actions for one of `fivefold.layout.SCHEDULES`, one list per pipeline rank."""
+    key = ALIASES.get(name.lower(), name.lower())
     if key not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
     if key == "interleaved":

@@ -6,7 +6,7 @@ Pure Python: nothing here starts processes or touches torch.distributed, except
 
 from .activations import activation_bytes_per_layer, saved_tensors_per_layer
 from .errors import PlanError
-from .estimate import Estimate, MemoryBreakdown, estimate, memory_grid
+from .estimate import Estimate, MemoryBreakdown, estimate, estimate_run, memory_grid
 from .explain import explain
 from .hardware import HARDWARE, Hardware, calibrate, load_calibration, save_calibration
 from .models import MODELS, load_model
@@ -15,7 +15,7 @@ from .spec import LayoutSpec, ModelSpec, parse_layout
 from .validate import check_layout
 
 __all__ = [
-    "ModelSpec", "LayoutSpec", "parse_layout", "check_layout", "estimate", "Estimate",
+    "ModelSpec", "LayoutSpec", "parse_layout", "check_layout", "estimate", "estimate_run", "Estimate",
     "MemoryBreakdown", "memory_grid", "search", "explain", "HARDWARE", "Hardware", "calibrate",
     "load_calibration", "save_calibration", "MODELS", "load_model", "PlanError",
     "activation_bytes_per_layer", "saved_tensors_per_layer",

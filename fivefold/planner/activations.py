@@ -29,7 +29,8 @@ input; RoPE multiplies by constant tables and saves nothing per token)::
 
 SDPA (flash and math kernels alike, e.g. fp32 on CPU) saves q, k, v, its output and the
 log-sum-exp per query and head; the output projection saves its own contiguous copy of the
-attention output. K/V are counted at their GQA size (no repeat to all heads).
+attention output. K/V are counted at their GQA size (no repeat to all heads); with t > kv each rank holds one
+key/value head (the runtime repeats each head on t/kv ranks).
 MoE layers replace the MLP by: router.probs sbE (fp32 softmax), and per routed copy of a
 token (k per token, balanced routing assumed) experts.input, four SwiGLU tensors of width
 f_e, combine.expert_out and combine.weights, plus four SwiGLU tensors per shared expert.
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..volumes import local_kv_heads
 from .errors import UnknownNameError, choices
 from .spec import LayoutSpec, ModelSpec
 
@@ -115,7 +117,7 @@ def activation_bytes_per_layer(model: ModelSpec, layout: LayoutSpec, precision: 
 
 def _gpt_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
     h, ab, t = m.hidden, x.ab, x.t
-    qd, kvd = m.heads * m.head_dim // t, m.n_kv_heads * m.head_dim // t
+    qd, kvd = m.heads * m.head_dim // t, local_kv_heads(m.n_kv_heads, t) * m.head_dim
     scores = x.rows * (m.heads // t) * x.s  # local queries x all keys
     out = [
         SavedTensor("ln1.input", x.nrows * h, ab),
@@ -156,7 +158,7 @@ def _gpt_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
 
 def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
     h, ab, t = m.hidden, x.ab, x.t
-    qd, kvd = m.heads * m.head_dim // t, m.n_kv_heads * m.head_dim // t
+    qd, kvd = m.heads * m.head_dim // t, local_kv_heads(m.n_kv_heads, t) * m.head_dim
     out = [
         SavedTensor("attn_norm.input", x.nrows * h, ab),
         SavedTensor("attn_norm.rstd", x.nrows, 4),

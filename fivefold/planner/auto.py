@@ -1,8 +1,9 @@
-"""`--layout auto`: let the cost model choose the layout for this model, world size and machine.
+"""`--layout auto`: let the cost model choose the layout for this model, world size and device.
 
-Nothing here encodes a rule of thumb: the search ranks every valid layout by predicted step
-time on the calibrated machine (memory per process = the machine's memory shared by the
-processes), and the first one fivefold's own validation accepts wins.
+Nothing here encodes a rule of thumb: the search ranks every layout the runtime accepts by
+predicted step time on the hardware the run will use, and the fastest one wins. A run on
+CUDA devices plans for the device's preset (found by its name); a CPU run plans for this
+machine's calibration, its memory shared by the processes.
 """
 
 from __future__ import annotations
@@ -11,30 +12,16 @@ import dataclasses
 import os
 from typing import Callable
 
-from ..config import Config, Layout, ModelConfig
-from ..layout import LayoutError, validate
-from .errors import PlanError
-from .hardware import Hardware, calibrate, get_hardware, load_calibration
-from .spec import LayoutSpec, ModelSpec
+from ..config import Config
+from ..layout import validate
+from .bridge import model_spec, runtime_layout
+from .hardware import Hardware, calibrate, get_hardware, hardware_for_gpu, load_calibration
+from .spec import ModelSpec
 
+__all__ = ["choose_layout", "default_world_size", "machine_hardware", "run_hardware", "model_spec",
+           "layout_from_spec"]
 
-def model_spec(model: ModelConfig, seq_len: int) -> ModelSpec:
-    """The planner's view of a fivefold model (arch "llama": RMSNorm, SwiGLU, GQA, MoE)."""
-    return ModelSpec(
-        layers=model.layers, hidden=model.hidden, heads=model.heads, vocab=model.vocab_size, seq_len=seq_len,
-        ffn_hidden=model.ffn, kv_heads=model.n_kv_heads, arch="llama", num_experts=model.num_experts,
-        top_k=model.top_k if model.is_moe else 1, expert_ffn_hidden=model.expert_ffn if model.is_moe else None,
-        moe_every=model.moe_every, shared_experts=model.shared_experts, tied_embeddings=model.tied_embeddings,
-        first_dense_layers=model.first_dense_layers, name=model.name,
-    )
-
-
-def layout_from_spec(spec: LayoutSpec, base: Layout) -> Layout:
-    return dataclasses.replace(
-        base, dp=spec.dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep, zero=spec.zero, vpp=spec.vpp,
-        pp_schedule=spec.schedule, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute,
-        cp_algorithm=spec.cp_kind, micro_batch=spec.micro_batch, grad_accum=0, pp_layers=(),
-    )
+layout_from_spec = runtime_layout  # the name this module has always exported
 
 
 def machine_hardware(world_size: int, hardware: str | Hardware | None = None) -> Hardware:
@@ -51,6 +38,33 @@ def machine_hardware(world_size: int, hardware: str | Hardware | None = None) ->
     return hw
 
 
+def _run_device(config: Config):
+    """The device a rank of this run computes on (the rule the run itself uses)."""
+    from ..mesh import device_for
+
+    return device_for(config.train.device)
+
+
+def run_hardware(config: Config, world_size: int, hardware: str | Hardware | None = None) -> Hardware:
+    """The hardware a run of ``config`` computes on: ``hardware`` when given; else the preset
+    of the CUDA device the run would use (`fivefold.mesh.device_for`), or this machine."""
+    if hardware is None and _run_device(config).type == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(_run_device(config).index or 0)
+        return hardware_for_gpu(props.name, props.total_memory)
+    return machine_hardware(world_size, hardware)
+
+
+def default_world_size(config: Config) -> int:
+    """Processes when none are asked for: one per local GPU on CUDA, else up to 8 CPU processes."""
+    if _run_device(config).type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return min(os.cpu_count() or 1, 8)
+
+
 def choose_layout(
     config: Config,
     world_size: int | None,
@@ -61,24 +75,16 @@ def choose_layout(
     from .explain import explain
     from .search import search
 
-    world = world_size or min(os.cpu_count() or 1, 8)
-    hw = machine_hardware(world, hardware)
+    world = world_size or default_world_size(config)
+    hw = run_hardware(config, world, hardware)
     precision = "bf16" if config.train.dtype == "bf16" else "fp32"
     spec = model_spec(config.model, config.train.seq_len)
-    candidates = search(spec, gpus=world, hardware=hw, global_batch=config.train.global_batch, precision=precision, top=None)
-    accepted = []
-    for layout_spec, est in candidates:
-        try:
-            chosen = validate(config.replace(layout=layout_from_spec(layout_spec, config.layout)), world)
-        except LayoutError:
-            continue
-        accepted.append((layout_spec, est, chosen))
-    if not accepted:
-        raise PlanError(f"no layout of {world} processes that fivefold accepts fits {config.model.name}; "
-                        "try another --world-size or a smaller global batch")
+    candidates = search(spec, gpus=world, hardware=hw, global_batch=config.train.global_batch, precision=precision,
+                        top=8)
     if show is not None:
-        _show(spec, [(l, e) for l, e, _ in accepted], explain, show)
-    return accepted[0][2]
+        _show(spec, candidates, explain, show)
+    # every candidate passed the runtime's validation inside the search; this resolves batching
+    return validate(config.replace(layout=runtime_layout(candidates[0][0], config.layout)), world)
 
 
 def _show(spec: ModelSpec, candidates, explain, show: Callable[[object], None]) -> None:

@@ -72,8 +72,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         return run_compare(args, model, hardware, out)
     if args.layout:
         return _one_layout(args, model, hardware, out)
-    gpus = args.gpus or 8
-    gb = args.global_batch or 8 * gpus
+    gpus = 8 if args.gpus is None else args.gpus
+    gb = 8 * gpus if args.global_batch is None else args.global_batch
     cands = search(model, gpus=gpus, hardware=hardware, global_batch=gb, precision=args.precision,
                    optimizer=args.optimizer, top=max(args.top, 10))
     from .compare import rules_of_thumb

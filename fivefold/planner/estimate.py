@@ -3,9 +3,10 @@
 Time model, per pipeline stage and micro-batch:
 
 * compute = matmul and attention FLOPs / (peak x ``matmul_efficiency``) + memory-bound
-  time. Attention FLOPs are halved for ``arch="llama"`` because fused causal attention
-  kernels skip the masked half (the reported FLOPs keep the full s x s, see flops.py);
-  the GPT layer materialises the full score matrix. The memory-bound part (norms,
+  time. Attention is timed by the FLOPs the model-FLOPs count gives it (the full s x s
+  score matrix, flops.py), so no layout can show an MFU above ``matmul_efficiency``; a
+  causal kernel that skips the masked half runs faster than this predicts for long
+  sequences, and its MFU by the PaLM definition would exceed the matmul rate. The memory-bound part (norms,
   activation functions, softmax, residuals, casts) is estimated as each saved activation
   being written once and read once per pass, i.e. 2 x saved bytes per forward, over
   ``hbm_bw``, for three passes (forward, and a backward of twice the traffic), four with
@@ -28,8 +29,12 @@ weights written, over ``hbm_bw``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from ..config import Config
+from ..layout import validate
 from .activations import activation_bytes_per_layer, activation_dtype_bytes, saved_tensors_embedding, saved_tensors_output
+from .bridge import layout_spec, model_spec
 from .comm import (
     AXES, Collective, cp_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers, volumes_by_axis,
     volumes_by_kind,
@@ -37,7 +42,7 @@ from .comm import (
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
 from .hardware import Hardware, get_hardware
 from .memory import StateBytes, state_bytes, zero_model_states
-from .params import embedding_block, head_block, is_tied, layer_params
+from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params
 from .pipeline import bubble_units, in_flight, in_flight_embedding, in_flight_output, stage_layers
 from .spec import LayoutSpec, ModelSpec
 from .validate import check_layout
@@ -122,6 +127,9 @@ class CostCache:
         self._layers: dict = {}
         self._ends: dict = {}
         self._flops: dict = {}
+        self._comm: dict = {}
+        self._groups: dict = {}
+        self._memo: dict = {}
 
     def flops(self, global_batch: int, recompute: str) -> tuple[float, float]:
         """(model, hardware) FLOPs per step."""
@@ -137,6 +145,32 @@ class CostCache:
             self._layers[key] = _layer_cost(self.model, lay, self.precision, self.model.moe_layers.index(moe))
         return self._layers[key]
 
+    def pass_comm_s(self, lay: LayoutSpec, hw: Hardware, moe: bool) -> float:
+        """Seconds of the always-exposed collectives of one layer pass (one micro-batch):
+        tensor-, expert- and (all-gather/Ulysses) context-parallel. Collective time is linear
+        in the number of calls, so a stage's time is this times its layer passes."""
+        key = (hw, moe, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.recompute, lay.cp_kind)
+        if key not in self._comm:
+            m, ab = self.model, activation_dtype_bytes(self.precision)
+            colls = tp_layers(m, lay, ab, 1) + (ep_layers(m, lay, ab, 1) if moe else [])
+            if lay.cp_kind != "ring":
+                colls += cp_layers(m, lay, ab, 1)
+            self._comm[key] = sum(c.time(hw) for c in colls)
+        return self._comm[key]
+
+    def memo(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per key."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def stage_groups(self, lay: LayoutSpec) -> list[tuple[int, int, int]]:
+        """(stage, dense layers, MoE layers) of every pipeline stage of ``lay``."""
+        key = (lay.pp, lay.vpp)
+        if key not in self._groups:
+            self._groups[key] = _stage_groups(self.model, lay)
+        return self._groups[key]
+
     def ends(self, lay: LayoutSpec) -> tuple[int, int]:
         """Saved bytes per micro-batch of the embedding (first stage) and output (last)."""
         key = (lay.tp, lay.cp, lay.micro_batch, lay.sequence_parallel)
@@ -147,18 +181,28 @@ class CostCache:
         return self._ends[key]
 
 
+def _cache_for(cache: CostCache | None, model: ModelSpec, precision: str) -> CostCache:
+    """``cache`` when it holds costs of this model and precision, else a new one."""
+    if cache is None or cache.model is not model or cache.precision != precision:
+        return CostCache(model, precision)
+    return cache
+
+
 def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _LayerCost:
     lp = layer_params(m, i)
     t = lay.tp
     moe = lp.num_experts > 0
-    dense = lp.dense.sharded / t + lp.dense.replicated
+    kv_params, kv_matmul = kv_replica_params(m, t)
+    dense = lp.dense.sharded / t + lp.dense.replicated + kv_params
     expert = lp.num_experts / lay.ep * (lp.expert.sharded / t + lp.expert.replicated)
     act = activation_bytes_per_layer(m, lay, precision, moe)
-    act_full = act if lay.recompute == "none" else activation_bytes_per_layer(m, lay.replace(recompute="none"), precision, moe)
+    if lay.recompute == "none":
+        act_full = act
+    else:
+        act_full = activation_bytes_per_layer(m, lay.with_states(lay.zero, "none"), precision, moe)
     tokens = lay.micro_batch * m.seq_len / lay.cp
-    attn = 4.0 * tokens * m.seq_len * attention_width(m) / t
-    causal = 0.5 if m.arch == "llama" else 1.0
-    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * lp.matmul_active / t, attn * causal)
+    attn = 4.0 * tokens * m.seq_len * attention_width(m) / t  # the same count as the model FLOPs
+    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn)
 
 
 @dataclass(frozen=True)
@@ -190,8 +234,7 @@ def _context(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str,
              cache: CostCache | None) -> _Ctx:
     ab = activation_dtype_bytes(precision)
     sb = state_bytes(precision, optimizer)
-    if cache is None or cache.model is not model or cache.precision != precision:
-        cache = CostCache(model, precision)
+    cache = _cache_for(cache, model, precision)
     costs = {moe: cache.layer(layout, moe) for moe in set(model.moe_layers)}
     return _Ctx(model, layout, hw, precision, ab, sb, costs, cache.ends(layout))
 
@@ -210,27 +253,42 @@ def estimate(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A
              cache: CostCache | None = None) -> Estimate:
     """Predict memory, FLOPs, communication and time of ``layout`` for ``model``.
 
-    Raises `PlanError` for unknown names and layouts that do not divide the model; a
-    layout that does not fit in memory is returned with ``fits=False``.
+    Raises `PlanError` for unknown names and for layouts that ``fivefold train`` refuses
+    (the runtime's own validation, with its message); a layout that does not fit in memory
+    is returned with ``fits=False``.
     """
     hw = get_hardware(hardware)
     ctx = _context(model, layout, hw, precision, optimizer, cache)
-    check_layout(model, layout, gpus)
-    memories, times, seen = [], [], {}
-    for s, n_dense, n_moe in _stage_groups(model, layout):
-        key = (n_dense, n_moe, s == 0, s == layout.pp - 1, _sends(layout, s))
-        memories.append(_stage_memory(ctx, s, n_dense, n_moe))
+    check_layout(model, layout, gpus, precision)
+    return estimate_valid(model, layout, hw, precision, optimizer, cache, ctx)
+
+
+def estimate_run(config: Config, hardware: str | Hardware = "H100-80GB", optimizer: str = "adam") -> Estimate:
+    """`estimate` of a runtime `Config` (its model, layout, sequence length, batch and dtype)."""
+    config = validate(config)
+    spec = model_spec(config.model, config.train.seq_len)
+    layout = layout_spec(config.layout, config.train.global_batch)
+    hw = get_hardware(hardware)
+    return estimate_valid(spec, layout, hw, "bf16" if config.train.dtype == "bf16" else "fp32", optimizer)
+
+
+def estimate_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
+                   cache: CostCache | None = None, ctx: _Ctx | None = None) -> Estimate:
+    """`estimate` of a layout already validated (by `check_layout` or the search)."""
+    cache = _cache_for(cache, model, precision)
+    ctx = ctx or _context(model, layout, hw, precision, optimizer, cache)
+    groups = cache.stage_groups(layout)
+    states = cache.memo(_states_key(layout, layout.zero, optimizer), lambda: _states_per_stage(ctx, groups, layout.zero))
+    totals = [a + st for a, st in zip(_stage_activations(ctx, groups), states)]
+    times, seen = [], {}
+    for s, n_dense, n_moe in groups:  # stages with the same layers and ends take the same time
+        key = (n_dense, n_moe, s == 0, s == layout.pp - 1)
         if key not in seen:
-            seen[key] = _stage_time(ctx, s, n_dense, n_moe, memories[-1])
+            seen[key] = _stage_time(ctx, s, n_dense, n_moe, _stage_memory(ctx, s, n_dense, n_moe))
         times.append(seen[key])
-    flops = (cache if cache is not None and cache.model is model else CostCache(model, precision)).flops(
-        layout.global_batch, layout.recompute)
-    return _combine(model, layout, hw, precision, optimizer, memories, times, flops)
-
-
-def _sends(lay: LayoutSpec, s: int) -> tuple[int, int]:
-    chunks = [s + k * lay.pp for k in range(lay.vpp)]
-    return sum(j < lay.pp * lay.vpp - 1 for j in chunks), sum(j > 0 for j in chunks)
+    worst = _stage_memory(ctx, *groups[max(range(len(totals)), key=totals.__getitem__)])
+    flops = cache.flops(layout.global_batch, layout.recompute)
+    return _combine(model, layout, hw, precision, optimizer, worst, totals, times, flops)
 
 
 def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -> tuple[float, float]:
@@ -250,17 +308,26 @@ def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -
     return dense, expert
 
 
-def _stage_activations(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> int:
+def _stage_activations(ctx: _Ctx, groups: list[tuple[int, int, int]]) -> list[int]:
+    """Saved-activation bytes at the peak of each (stage, dense layers, MoE layers) in ``groups``."""
     lay = ctx.lay
-    per = [(ctx.costs[k], n) for k, n in ((False, n_dense), (True, n_moe)) if n]
-    act = in_flight(lay, s) * sum(c.act * n for c, n in per)
-    if s == 0:
-        act += in_flight_embedding(lay) * ctx.ends[0]
-    if s == lay.pp - 1:
-        act += in_flight_output(lay) * ctx.ends[1]
-    if lay.recompute == "full" and per:
-        act += max(c.act_full for c, _ in per)  # one layer rematerialised during backward
-    return int(act)
+    embedding = in_flight_embedding(lay) * ctx.ends[0]
+    output = in_flight_output(lay) * ctx.ends[1]
+    per_layers: dict = {}  # (dense, MoE layers) -> (bytes per micro-batch, rematerialised layer)
+    out = []
+    for s, n_dense, n_moe in groups:
+        if (n_dense, n_moe) not in per_layers:
+            per = [(ctx.costs[k], n) for k, n in ((False, n_dense), (True, n_moe)) if n]
+            remat = max(c.act_full for c, _ in per) if lay.recompute == "full" and per else 0
+            per_layers[n_dense, n_moe] = (sum(c.act * n for c, n in per), remat)
+        layers, remat = per_layers[n_dense, n_moe]
+        act = in_flight(lay, s) * layers
+        if s == 0:
+            act += embedding
+        if s == lay.pp - 1:
+            act += output
+        out.append(int(act + remat))  # one layer rematerialised during backward with full recomputation
+    return out
 
 
 def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tuple[int, int, int, int]:
@@ -278,7 +345,7 @@ def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tup
 
 def _stage_memory(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> MemoryBreakdown:
     p, g, o, buf = _stage_states(ctx, s, n_dense, n_moe, ctx.lay.zero)
-    act = _stage_activations(ctx, s, n_dense, n_moe)
+    act = _stage_activations(ctx, [(s, n_dense, n_moe)])[0]
     return MemoryBreakdown(p, g, o, act, buf, s, ctx.hw.usable_memory_bytes)
 
 
@@ -293,23 +360,56 @@ def memory_grid(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware =
     can discard layouts that do not fit before timing them.
     """
     hw = get_hardware(hardware)
-    check_layout(model, layout)
-    cache = cache if cache is not None and cache.model is model else CostCache(model, precision)
-    groups = _stage_groups(model, layout)
+    check_layout(model, layout, precision=precision)
+    return memory_grid_valid(model, layout, hw, precision, optimizer, zeros, recomputes, cache)
+
+
+def memory_grid_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
+                      zeros: tuple[int, ...], recomputes: tuple[str, ...] = ("none", "selective", "full"),
+                      cache: CostCache | None = None) -> dict[tuple[int, str], int]:
+    """`memory_grid` of a layout already validated."""
+    cache = _cache_for(cache, model, precision)
+    all_groups = cache.stage_groups(layout)
+    peaks = _peak_candidates(all_groups)
+    groups = [all_groups[i] for i in peaks]
     acts, states = {}, {}
     for r in recomputes:
-        ctx = _context(model, layout.replace(recompute=r), hw, precision, optimizer, cache)
-        acts[r] = [_stage_activations(ctx, *g) for g in groups]
-    for z in zeros:
-        per_key: dict = {}
-        row = []
-        for s, nd, nm in groups:
-            key = (s == 0, s == layout.pp - 1, nd, nm)
-            if key not in per_key:
-                per_key[key] = sum(_stage_states(ctx, s, nd, nm, z))
-            row.append(per_key[key])
-        states[z] = row
+        ctx = _context(model, layout.with_states(layout.zero, r), hw, precision, optimizer, cache)
+        acts[r] = _stage_activations(ctx, groups)
+    for z in zeros:  # model states do not depend on micro-batching, schedule or recomputation
+        row = cache.memo(_states_key(layout, z, optimizer), lambda: _states_per_stage(ctx, all_groups, z))
+        states[z] = [row[i] for i in peaks]
     return {(z, r): max(a + st for a, st in zip(acts[r], states[z])) for z in zeros for r in recomputes}
+
+
+def _peak_candidates(groups: list[tuple[int, int, int]]) -> list[int]:
+    """Indices of the stages among which the most loaded one is: the first of each kind.
+
+    Stages with the same layers and ends hold the same model states, and activations for
+    more micro-batches the earlier they sit (micro-batches in flight never grow with the
+    stage index under any schedule), so the first of them needs the most memory.
+    """
+    first: dict = {}
+    last = groups[-1][0]
+    for i, (s, nd, nm) in enumerate(groups):
+        first.setdefault((nd, nm, s == 0, s == last), i)
+    return list(first.values())
+
+
+def _states_key(lay: LayoutSpec, zero: int, optimizer: str) -> tuple:
+    """What the model states of every stage depend on (not micro-batching, schedule or recomputation)."""
+    return ("states", lay.tp, lay.pp, lay.vpp, lay.ep, lay.dp * lay.cp, zero, optimizer)
+
+
+def _states_per_stage(ctx: _Ctx, groups: list[tuple[int, int, int]], zero: int) -> list[int]:
+    per_key: dict = {}
+    row = []
+    for s, nd, nm in groups:
+        key = (s == 0, s == ctx.lay.pp - 1, nd, nm)
+        if key not in per_key:
+            per_key[key] = sum(_stage_states(ctx, s, nd, nm, zero))
+        row.append(per_key[key])
+    return row
 
 
 def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdown) -> _StageTime:
@@ -356,31 +456,33 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
 
 def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str,
                      cache: CostCache) -> float:
-    """A step time that no (ZeRO, recomputation) variant of ``layout`` can beat.
+    """A step time that no ZeRO variant of ``layout`` (with its recomputation) can beat;
+    with ``recompute="none"`` one that no recomputation can beat either.
 
-    The least-loaded stage's compute without recomputation (including memory-bound time),
-    the smallest bubble the schedule can have, and the collectives the time model always
-    exposes (tensor-parallel, expert-parallel, all-gather/Ulysses context-parallel).
+    The least-loaded stage's compute with the layout's recomputation (including
+    memory-bound time), the smallest bubble the schedule can have, and the collectives the
+    time model always exposes (tensor-parallel, expert-parallel, all-gather/Ulysses
+    context-parallel). The bubble of ZB-H1 is at least a third of 1F1B's: F + B >= 2 W.
     """
-    lay = layout.replace(recompute="none")
+    lay = layout
     rate = hw.peak(precision) * hw.matmul_efficiency
     p, v, mbs = lay.pp, lay.vpp, lay.num_micro_batches
     n_layers = (model.layers // (p * v)) * v
     n_moe = min(model.num_moe_layers, (model.num_moe_layers // (p * v)) * v)
-    per = [(cache.layer(lay, False), n_layers - n_moe)] if n_layers > n_moe else []
+    per = [(False, n_layers - n_moe)] if n_layers > n_moe else []
     if n_moe:
-        per.append((cache.layer(lay, True), n_moe))
-    flops = sum((3 * c.mm + 3 * c.attn) * n for c, n in per)
-    traffic = sum(6.0 * c.act_full * n for c, n in per)
-    t_mb = flops / rate + traffic / hw.hbm_bw
+        per.append((True, n_moe))
+    passes = 4 if lay.recompute == "full" else 3
+    t_mb = 0.0
+    for moe, n in per:
+        c = cache.layer(lay, moe)
+        recompute = {"none": 0.0, "selective": c.attn, "full": c.mm + c.attn}[lay.recompute]
+        flops = 3 * c.mm + 3 * c.attn + recompute
+        t_mb += n * (flops / rate + 2.0 * passes * c.act_full / hw.hbm_bw + cache.pass_comm_s(lay, hw, moe))
     bubble = 0.0 if p == 1 else (p - 1) / (v if lay.schedule == "interleaved" else 1)
     if lay.schedule == "zb-h1":
         bubble /= 3
-    ab = activation_dtype_bytes(precision)
-    colls = tp_layers(model, lay, ab, n_layers * mbs) + ep_layers(model, lay, ab, n_moe * mbs)
-    if lay.cp_kind != "ring":
-        colls += cp_layers(model, lay, ab, n_layers * mbs)
-    return (mbs * t_mb + sum(c.time(hw) for c in colls)) * (1 + bubble / mbs)
+    return mbs * t_mb * (1 + bubble / mbs)
 
 
 def _dp_exposed(colls: list[Collective], hw: Hardware, mbs: int, buckets: int,
@@ -394,7 +496,7 @@ def _dp_exposed(colls: list[Collective], hw: Hardware, mbs: int, buckets: int,
 
 
 def _combine(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
-             memories: list[MemoryBreakdown], times: list[_StageTime],
+             worst: MemoryBreakdown, stage_totals: list[int], times: list[_StageTime],
              flops: tuple[float, float]) -> Estimate:
     mbs = lay.num_micro_batches
     per_mb = [st.t_f + st.t_b + st.t_w + sum(st.inner_exposed.values()) / mbs for st in times]
@@ -403,7 +505,6 @@ def _combine(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimi
     units = bubble_units(lay, st.t_f, st.t_b, st.t_w)
     tail = max(t.dp_exposed + t.optimizer_s for t in times)
     step = (mbs + units) * per_mb[slow] + tail
-    worst = max(memories, key=lambda mem: mem.total)
 
     colls: list[Collective] = []
     comm_bytes, by_kind, comm_time, exposed = {}, {}, {}, {}
@@ -429,4 +530,4 @@ def _combine(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimi
         hardware_tflops_per_device=hflops / step / lay.world / 1e12,
         mfu=mflops / step / peak, hfu=hflops / step / peak,
         fits=worst.total <= hw.usable_memory_bytes,
-        stage_memory=tuple(mem.total for mem in memories), collectives=tuple(colls))
+        stage_memory=tuple(stage_totals), collectives=tuple(colls))

@@ -170,6 +170,24 @@ def get_hardware(hardware: str | Hardware) -> Hardware:
     return hardware if isinstance(hardware, Hardware) else HARDWARE[hardware]
 
 
+def hardware_for_gpu(device_name: str, memory_bytes: int | None = None) -> Hardware:
+    """The preset of a CUDA device, from its name (``torch.cuda.get_device_name``) and memory.
+
+    The family (V100, A100, H100, H800, H200) is read from the name; among its presets the
+    one whose memory is closest to ``memory_bytes`` wins (an "A100-SXM4-40GB" is the 40 GB
+    preset). Raises `PlanError` for a device without a preset.
+    """
+    name = device_name.upper()
+    family = [hw for key, hw in _PRESETS.items() if key.split("-")[0] in name]
+    if not family:
+        raise UnknownNameError(
+            f"no hardware preset for the GPU {device_name!r} (presets: {choices(_PRESETS)}); pick a layout "
+            f"with `fivefold plan --hardware <the closest preset>` and pass it to --layout instead of auto")
+    if memory_bytes is None:
+        return family[-1]
+    return min(family, key=lambda hw: abs(hw.memory_bytes - memory_bytes))
+
+
 # ---- calibration ---------------------------------------------------------------------
 
 
@@ -272,6 +290,7 @@ def calibrate(save: bool = True, path: Path | None = None, quick: bool = False) 
         mem = CPU_DEFAULT.memory_bytes
     hw = dataclasses.replace(CPU_DEFAULT, peak_flops=bf16, peak_flops_fp32=fp32,
                              memory_bytes=int(mem), hbm_bw=copy_bw, intra_node_bw=ar_bw,
+                             inter_node_bw=min(CPU_DEFAULT.inter_node_bw, ar_bw),  # no faster than loopback
                              gpus_per_node=os.cpu_count() or CPU_DEFAULT.gpus_per_node,
                              memory_reserved_bytes=max(int(mem * 0.25), GiB))
     if save:

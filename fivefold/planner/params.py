@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..volumes import local_kv_heads
 from .spec import ModelSpec
 
 
@@ -77,6 +78,16 @@ def attention_block(m: ModelSpec) -> Block:
     if m.arch == "gpt":
         return Block(sharded=weights + qd + 2 * kvd, replicated=h, matmul=weights)
     return Block(sharded=weights, matmul=weights)
+
+
+def kv_replica_params(m: ModelSpec, tp: int) -> tuple[float, float]:
+    """(parameters, matmul weights) a tensor-parallel rank holds beyond an even 1/tp split
+    of the key/value projections: with tp > kv heads each head is repeated on tp/kv ranks
+    (as the runtime does), so a rank holds one whole head instead of kv/tp of one."""
+    extra_heads = local_kv_heads(m.n_kv_heads, tp) - m.n_kv_heads / tp
+    weights = 2 * m.hidden * m.head_dim * extra_heads
+    biases = 2 * m.head_dim * extra_heads if m.arch == "gpt" else 0.0
+    return weights + biases, weights
 
 
 def mlp_block(m: ModelSpec, width: int) -> Block:

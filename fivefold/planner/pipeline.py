@@ -82,7 +82,9 @@ def bubble_units(layout: LayoutSpec, t_f: float = 1.0, t_b: float = 1.0, t_w: fl
       Parallelism", Section 2.2) give the bubble as (p - 1)(T_F + T_B - T_W) instead of
       1F1B's (p - 1)(T_F + T_B + T_W). With the F/B/W times of the layer passed in
       (derived from FLOPs by the cost model) this is (p - 1)(F + B - W)/(F + B + W); for
-      T_F = T_B = T_W it is one third of 1F1B's bubble.
+      T_F = T_B = T_W it is one third of 1F1B's bubble. With m < p micro-batches there are
+      too few W to fill the tail: (p - 1)(F + B) - (m - 1) W (the runtime's table,
+      `parallel.schedules.zero_bubble_h1`, idles exactly that long).
     """
     p = layout.pp
     if p == 1:
@@ -90,7 +92,9 @@ def bubble_units(layout: LayoutSpec, t_f: float = 1.0, t_b: float = 1.0, t_w: fl
     if layout.schedule == "interleaved":
         return (p - 1) / layout.vpp
     if layout.schedule == "zb-h1":
-        return (p - 1) * max(t_f + t_b - t_w, 0.0) / (t_f + t_b + t_w)
+        m = layout.num_micro_batches
+        idle = (p - 1) * (t_f + t_b - t_w) if m >= p else (p - 1) * (t_f + t_b) - (m - 1) * t_w
+        return max(idle, 0.0) / (t_f + t_b + t_w)
     return float(p - 1)
 
 

@@ -14,18 +14,23 @@ With ``top`` set, structures are visited in order of a lower bound on their step
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+from typing import Iterator
 
+from ..config import Config, Layout
+from ..layout import LayoutError, _check_zero, validate
+from .bridge import runtime_config
 from .errors import PlanError
-from .estimate import CostCache, Estimate, estimate, memory_grid, time_lower_bound
+from .estimate import CostCache, Estimate, estimate_valid, memory_grid_valid, time_lower_bound
 from .hardware import GiB, Hardware, get_hardware
 from .models import load_model
 from .spec import CP_KINDS, LayoutSpec, ModelSpec, divisors
-from .validate import valid_tp
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 DEFAULT_MICRO_BATCHES = (1, 2, 4)
 _RECOMPUTE_ORDER = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _frontier(fits: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -40,20 +45,46 @@ def _frontier(fits: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return keep
 
 
+def _accepted(config: Config) -> Config | None:
+    """The runtime's `validate` of ``config``, or None when ``fivefold train`` refuses it."""
+    try:
+        return validate(config)
+    except LayoutError:
+        return None
+
+
+def _zero_stages(layout: Layout) -> tuple[int, ...]:
+    """ZeRO stages the runtime accepts for a layout it accepts with ``zero=0`` (its zero rule)."""
+    stages = [0]
+    for z in ZERO_STAGES[1:]:
+        try:
+            _check_zero(dataclasses.replace(layout, zero=z))
+        except LayoutError:
+            continue
+        stages.append(z)
+    return tuple(stages)
+
+
+def _accepted_tp(model: ModelSpec, precision: str, limit: int, gpus: int) -> list[int]:
+    """Tensor-parallel degrees the runtime accepts for the model (checked on tp alone)."""
+    out = []
+    for tp in divisors(gpus):
+        if tp <= limit and _accepted(runtime_config(model, LayoutSpec(tp=tp, global_batch=1), precision)):
+            out.append(tp)
+    return out
+
+
 def structures(model: ModelSpec, gpus: int, hw: Hardware, global_batch: int,
                schedules=DEFAULT_SCHEDULES, micro_batches=DEFAULT_MICRO_BATCHES,
-               max_tp: int | None = None, max_vpp: int = 4):
-    """Yield every `LayoutSpec` shape (ZeRO 0, no recomputation) for ``gpus`` devices."""
+               max_tp: int | None = None, max_vpp: int = 4, precision: str = "bf16") -> Iterator[LayoutSpec]:
+    """Every `LayoutSpec` shape (ZeRO 0, no recomputation) of ``gpus`` devices whose degrees
+    multiply to ``gpus`` and split the batch; the runtime's validation is left to the caller."""
     tp_limit = min(max_tp or hw.gpus_per_node, hw.gpus_per_node)
-    for tp in valid_tp(model, tp_limit):
-        if gpus % tp:
-            continue
+    for tp in _accepted_tp(model, precision, tp_limit, gpus):
         for pp in divisors(gpus // tp):
             if pp > model.layers:
                 continue
             for cp in divisors(gpus // (tp * pp)):
-                if model.seq_len % cp:
-                    continue
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp:
                     continue
@@ -61,7 +92,7 @@ def structures(model: ModelSpec, gpus: int, hw: Hardware, global_batch: int,
 
 
 def _variants(model, gb, tp, pp, cp, dp, schedules, micro_batches, max_vpp):
-    eps = [e for e in divisors(dp * cp) if model.is_moe and model.num_experts % e == 0] or [1]
+    eps = [e for e in divisors(dp * cp) if model.num_experts % e == 0] if model.is_moe else [1]
     scheds = [("1f1b", 1)] if pp == 1 else [
         (s, v) for s in schedules
         for v in ((range(2, max_vpp + 1)) if s == "interleaved" else (1,))
@@ -78,13 +109,20 @@ def _variants(model, gb, tp, pp, cp, dp, schedules, micro_batches, max_vpp):
                                          cp_kind=kind)
 
 
+def _check_request(gpus: int, global_batch: int) -> None:
+    for name, v in (("gpus", gpus), ("global_batch", global_batch)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanError(f"{name} must be a positive integer, got {v!r}")
+
+
 def search(model: ModelSpec | str, gpus: int = 64, hardware: str | Hardware = "H100-80GB",
            global_batch: int = 512, seq_len: int | None = None, precision: str = "bf16",
            optimizer: str = "adam", top: int | None = 50,
            schedules=DEFAULT_SCHEDULES, micro_batches=DEFAULT_MICRO_BATCHES,
            max_tp: int | None = None) -> list[tuple[LayoutSpec, Estimate]]:
     """Layouts of ``gpus`` devices that fit, best (shortest step) first: the ``top`` best,
-    or all of them with ``top=None``.
+    or all of them with ``top=None``. Every layout returned is one ``fivefold train``
+    accepts (each candidate passes the runtime's `fivefold.layout.validate`).
 
     ``seq_len`` overrides the model's. Raises `PlanError` when no layout divides the
     model and batch, or none fits in memory (the message says what to change).
@@ -93,34 +131,33 @@ def search(model: ModelSpec | str, gpus: int = 64, hardware: str | Hardware = "H
     if seq_len is not None:
         m = m.replace(seq_len=seq_len)
     hw = get_hardware(hardware)
-    for name, v in (("gpus", gpus), ("global_batch", global_batch)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise PlanError(f"{name} must be a positive integer, got {v!r}")
+    _check_request(gpus, global_batch)
     out: list[tuple[LayoutSpec, Estimate]] = []
     smallest: tuple[int, LayoutSpec] | None = None
     n_valid = 0
     cache = CostCache(m, precision)
-    shapes = list(structures(m, gpus, hw, global_batch, schedules, micro_batches, max_tp))
+    shapes = list(structures(m, gpus, hw, global_batch, schedules, micro_batches, max_tp, precision=precision))
     bounds = [time_lower_bound(m, lay, hw, precision, cache) for lay in shapes]
     best: list[float] = []  # max-heap (negated) of the `top` shortest step times so far
     for bound, lay in sorted(zip(bounds, shapes), key=lambda x: x[0]):
         if top and len(best) >= top and bound > -best[0]:
             break
-        zeros = (0, 1, 2, 3) if lay.dp * lay.cp > 1 else (0,)
-        try:
-            grid = memory_grid(m, lay, hw, precision, optimizer, zeros, cache=cache)
-        except PlanError:
+        config = _accepted(runtime_config(m, lay, precision))
+        if config is None:
             continue
         n_valid += 1
+        grid = memory_grid_valid(m, lay, hw, precision, optimizer, _zero_stages(config.layout), cache=cache)
         fits = [k for k, v in grid.items() if v <= hw.usable_memory_bytes]
         if not fits:
             k_min = min(grid, key=grid.__getitem__)
             if smallest is None or grid[k_min] < smallest[0]:
-                smallest = (grid[k_min], lay.replace(zero=k_min[0], recompute=k_min[1]))
+                smallest = (grid[k_min], lay.with_states(*k_min))
             continue
         for z, r in _frontier(fits):
-            cand = lay.replace(zero=z, recompute=r)
-            est = estimate(m, cand, hw, precision, optimizer, cache=cache)
+            cand = lay.with_states(z, r)
+            if r != "none" and top and len(best) >= top and time_lower_bound(m, cand, hw, precision, cache) > -best[0]:
+                continue  # its recomputation alone makes it slower than the top ones
+            est = estimate_valid(m, cand, hw, precision, optimizer, cache=cache)
             out.append((cand, est))
             if top:
                 heapq.heappush(best, -est.step_time_s)

@@ -17,12 +17,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ..layout import CP_ALGORITHMS as CP_KINDS
+from ..layout import RECOMPUTE, SCHEDULES
 from .errors import PlanError, UnknownNameError, choices
 
 ARCHS = ("gpt", "llama")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-RECOMPUTE = ("none", "selective", "full")
-CP_KINDS = ("allgather", "ring", "ulysses")
 
 _SCHEDULE_ALIASES = {
     "gpipe": "gpipe", "fill-drain": "gpipe", "1f1b": "1f1b", "pipedream-flush": "1f1b",
@@ -212,6 +211,15 @@ class LayoutSpec:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    def with_states(self, zero: int, recompute: str) -> "LayoutSpec":
+        """This layout with another ZeRO stage and recomputation (checked, without re-checking
+        the other fields: a search derives thousands of these)."""
+        if zero not in (0, 1, 2, 3) or recompute not in RECOMPUTE:
+            raise PlanError(f"zero={zero!r}, recompute={recompute!r}: use zero 0-3 and one of {choices(RECOMPUTE)}")
+        new = object.__new__(LayoutSpec)
+        new.__dict__.update(self.__dict__, zero=zero, recompute=recompute)
+        return new
 
     @property
     def num_micro_batches(self) -> int:

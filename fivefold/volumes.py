@@ -1,0 +1,263 @@
+"""Analytic communication volumes: which collectives a layout issues and the bytes they move.
+
+Defined once, here, and used by both sides: the planner turns these calls into timed
+collectives (`fivefold.planner.comm`), and the strategy tests check that the bytes
+`parallel/comm.py` counts on each axis equal them exactly. Pure arithmetic; imports only
+`config`.
+
+Bytes one rank puts on the wire for one call on a group of n ranks, under the ring
+(bandwidth-optimal) algorithms (Thakur, Rabenseifner and Gropp 2005; the bus-bandwidth
+factors of nccl-tests), for a buffer of B bytes: all-reduce 2(n - 1)/n B; all-gather
+(n - 1)/n B with B the gathered output; reduce-scatter (n - 1)/n B with B the input;
+all-to-all (n - 1)/n B of the local buffer, evenly split; a point-to-point send B.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+from .config import Config
+
+if TYPE_CHECKING:
+    import torch
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+class Call(NamedTuple):
+    """``calls`` calls of ``op`` on a buffer of ``nbytes`` (see `wire_bytes` for which buffer)."""
+
+    op: str
+    nbytes: float  # whole bytes for the runtime; a planner's per-device share may be fractional
+    calls: float
+    phase: str  # "fwd", "bwd" or "step"
+    what: str
+
+
+def wire_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends in one call, exactly as `parallel/comm.py` counts them."""
+    if op == "send":
+        return nbytes
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    return (n - 1) * (nbytes // n)  # all-gather, reduce-scatter, even all-to-all: n - 1 shards
+
+
+def ring_factor(op: str, n: int) -> float:
+    """`wire_bytes` / nbytes without rounding (for time estimates)."""
+    if op == "send":
+        return 1.0
+    if n <= 1:
+        return 0.0
+    return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Sequential latency-bound steps of one ring call."""
+    if op == "send":
+        return 1
+    return 2 * (n - 1) if op == "all_reduce" else n - 1
+
+
+def total_wire_bytes(calls: Sequence[Call], n: int) -> dict[str, int]:
+    """Wire bytes per op of ``calls`` on a group of ``n`` ranks."""
+    out: dict[str, int] = {}
+    for c in calls:
+        if c.calls:
+            out[c.op] = out.get(c.op, 0) + int(c.calls) * wire_bytes(c.op, int(c.nbytes), n)
+    return out
+
+
+# ----------------------------------------------------------------------------- heads per rank
+
+
+def local_kv_heads(kv_heads: int, tp: int) -> int:
+    """Key/value heads a tensor-parallel rank holds: kv/tp, or one head repeated when tp > kv."""
+    return max(kv_heads // tp, 1)
+
+
+def ulysses_kv_heads(cp: int, kv_heads: int) -> int:
+    """K/V heads a Ulysses rank sends: its own, or repeated up to cp when they do not split."""
+    return cp if kv_heads % cp else kv_heads
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def tp_layer_calls(x_bytes: int, sequence_parallel: bool, forward_passes: int = 1) -> list[Call]:
+    """One transformer layer, one micro-batch: x_bytes is one b x s/c x h activation.
+
+    Without sequence parallelism two all-reduces forward (attention and MLP exits) and two
+    backward (their entries); with it each becomes an all-gather + reduce-scatter pair
+    (Korthikanti et al. 2022, Section 4.2.2). ``forward_passes`` = 2 under full recomputation.
+    """
+    f = forward_passes
+    if not sequence_parallel:
+        return [Call("all_reduce", x_bytes, 2 * f, "fwd", "attention/MLP output"),
+                Call("all_reduce", x_bytes, 2, "bwd", "attention/MLP input grad")]
+    return [Call("all_gather", x_bytes, 2 * f, "fwd", "norm output to attention/MLP"),
+            Call("reduce_scatter", x_bytes, 2 * f, "fwd", "attention/MLP output"),
+            Call("reduce_scatter", x_bytes, 2, "bwd", "attention/MLP input grad"),
+            Call("all_gather", x_bytes, 2, "bwd", "output grad")]
+
+
+def tp_end_calls(x_bytes: int, rows: int, sequence_parallel: bool, first: bool, last: bool) -> list[Call]:
+    """Vocab-parallel embedding (first stage), head and cross-entropy (last), one micro-batch.
+
+    The loss all-reduces the row maxima (rows fp32 values) and [sum of exp, target logit].
+    """
+    out: list[Call] = []
+    sp = sequence_parallel
+    if first:
+        out += ([Call("reduce_scatter", x_bytes, 1, "fwd", "embedding"),
+                 Call("all_gather", x_bytes, 1, "bwd", "embedding grad")]
+                if sp else [Call("all_reduce", x_bytes, 1, "fwd", "embedding")])
+    if last:
+        out += ([Call("all_gather", x_bytes, 1, "fwd", "head input"),
+                 Call("reduce_scatter", x_bytes, 1, "bwd", "head input grad")]
+                if sp else [Call("all_reduce", x_bytes, 1, "bwd", "head input grad")])
+        out += [Call("all_reduce", rows * 4, 1, "fwd", "cross-entropy row max"),
+                Call("all_reduce", 2 * rows * 4, 1, "fwd", "cross-entropy sum and target")]
+    return out
+
+
+def tp_step_calls(hidden: int, head_dim: int, kv_heads: int, tp: int, num_experts: int, layers: int,
+                  moe_layers: int, sequence_parallel: bool, last: bool, grad_bytes: int) -> list[Call]:
+    """Once per step, for ``layers`` layers (``moe_layers`` of them MoE) held by the rank.
+
+    Gradients partial over tp are summed in one all-reduce: norm weights under sequence
+    parallelism (each rank saw its tokens), MoE routers (each rank saw its expert slice);
+    key/value heads shared by tp/kv ranks in one (kv, n) buffer. The training loop also
+    all-reduces its MoE statistics, E + 1 float64 values per MoE layer.
+    """
+    if tp == 1 or layers == 0:
+        return []
+    summed = hidden * (2 * layers + (1 if last else 0)) if sequence_parallel else 0
+    summed += moe_layers * num_experts * hidden
+    out = [Call("all_reduce", summed * grad_bytes, 1, "step", "partial gradients")] if summed else []
+    if kv_heads % tp:
+        out.append(Call("all_reduce", kv_heads * 2 * layers * head_dim * hidden * grad_bytes, 1, "step",
+                        "shared kv heads"))
+    out += [Call("all_reduce", (num_experts + 1) * 8, moe_layers, "step", "MoE statistics")] if moe_layers else []
+    return out
+
+
+def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
+    """Bytes one rank sends on the tp axis in one training step, by collective (fp32, pp = cp = 1)."""
+    model, layout, train = config.model, config.layout, config.train
+    n, fp32 = layout.tp, 4
+    if n == 1:
+        return {}
+    rows = layout.micro_batch * train.seq_len
+    x = rows * model.hidden * fp32
+    sp = layout.sequence_parallel
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.layers))
+    per_mb = tp_layer_calls(x, sp) * model.layers + tp_end_calls(x, rows, sp, True, True)
+    calls = [c._replace(calls=c.calls * layout.grad_accum) for c in per_mb]
+    calls += tp_step_calls(model.hidden, model.head_dim, model.n_kv_heads, n, model.num_experts, model.layers,
+                           moe_layers, sp, True, fp32)
+    return total_wire_bytes(calls, n)
+
+
+# ----------------------------------------------------------------------------- context parallel
+
+
+def cp_layer_calls(algorithm: str, cp: int, batch: int, local_len: int, heads: int, kv_heads: int,
+                   head_dim: int, elem_bytes: int, forward_passes: int = 1) -> list[Call]:
+    """One attention layer, one micro-batch, on a cp rank holding ``heads``/``kv_heads`` heads
+    (after tensor parallelism) of ``local_len`` tokens of ``batch`` sequences.
+
+    allgather: all-gather K and V forward, reduce-scatter dK and dV backward;
+    ring: cp - 1 hops of the K and of the V block forward, cp - 1 again backward (circulated
+    rather than stored) and cp hops of the dK, dV accumulators (they end at their owner);
+    ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward.
+    """
+    if cp == 1:
+        return []
+    token = batch * local_len * head_dim * elem_bytes  # one head of this rank's tokens
+    kv = kv_heads * token
+    f = forward_passes
+    if algorithm == "allgather":
+        return [Call("all_gather", kv * cp, 2 * f, "fwd", "K, V"), Call("reduce_scatter", kv * cp, 2, "bwd", "dK, dV")]
+    if algorithm == "ring":
+        return [Call("send", kv, 2 * (cp - 1) * f, "fwd", "K, V blocks"),
+                Call("send", kv, 2 * (cp - 1), "bwd", "K, V blocks again"),
+                Call("send", kv, 2 * cp, "bwd", "dK, dV accumulators, home after cp hops")]
+    if algorithm == "ulysses":
+        q, kv_sent = heads * token, ulysses_kv_heads(cp, kv_heads) * token
+        return [Call("all_to_all", q, 2 * f, "fwd", "q, out"), Call("all_to_all", kv_sent, 2 * f, "fwd", "k, v"),
+                Call("all_to_all", q, 2, "bwd", "d_out, dq"), Call("all_to_all", kv_sent, 2, "bwd", "dk, dv")]
+    raise ValueError(f"unknown cp algorithm {algorithm!r}")
+
+
+def analytic_cp_bytes(algorithm: str, cp: int, batch: int, local_len: int, heads: int, kv_heads: int,
+                      head_dim: int, elem_bytes: int = 4) -> int:
+    """Bytes one rank puts on the cp axis for one attention layer, forward plus backward."""
+    calls = cp_layer_calls(algorithm, cp, batch, local_len, heads, kv_heads, head_dim, elem_bytes)
+    return sum(total_wire_bytes(calls, cp).values())
+
+
+# ----------------------------------------------------------------------------- expert parallel
+
+
+def ep_layer_calls(routed_bytes: int, forward_passes: int = 1) -> list[Call]:
+    """One MoE layer, one micro-batch, balanced routing: dispatch and combine all-to-alls of
+    the rank's routed token copies (``routed_bytes``) forward and again backward."""
+    return [Call("all_to_all", routed_bytes, 2 * forward_passes, "fwd", "dispatch + combine"),
+            Call("all_to_all", routed_bytes, 2, "bwd", "dispatch + combine grads")]
+
+
+def all_to_all_wire_bytes(sent: torch.Tensor, rank: int, hidden: int, element_bytes: int, calls: int,
+                          count_bytes: int = 8) -> int:
+    """All-to-all bytes one ep rank puts on the wire, forward and backward, for actual routing.
+
+    sent (ep, E) tensor: slots each ep rank sent to each global expert (summed over calls).
+    Forward dispatch sends this rank's rows for other ranks' experts and combine returns the
+    rows it received from others; backward sends both again in reverse. Each of the
+    ``calls`` dispatches also exchanges its E/ep counts with the ep - 1 other ranks.
+    """
+    ep, E = sent.shape
+    local = E // ep
+    mine = slice(rank * local, (rank + 1) * local)
+    sent_to_others = int(sent[rank].sum() - sent[rank, mine].sum())
+    received_from_others = int(sent[:, mine].sum() - sent[rank, mine].sum())
+    tokens = 2 * (sent_to_others + received_from_others) * hidden * element_bytes
+    return tokens + calls * (ep - 1) * local * count_bytes
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def pp_calls(act_bytes: int, forward_sends: int, backward_sends: int) -> list[Call]:
+    """Point-to-point sends of a pipeline rank: each activation forward, each gradient back."""
+    return [Call("send", act_bytes, forward_sends, "fwd", "activations"),
+            Call("send", act_bytes, backward_sends, "bwd", "activation grads")]
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batches: int,
+                  gathers_per_micro_batch: int = 2) -> list[Call]:
+    """Data-parallel (ZeRO) collectives of one step for a rank's gradients / parameters.
+
+    ZeRO-0: one all-reduce of the gradients. ZeRO-1/2: reduce-scatter of the gradients and
+    all-gather of the updated parameters. ZeRO-3: all-gather of the parameters for each
+    micro-batch's forward and backward (and recomputation), one gradient reduce-scatter.
+    """
+    if zero == 0:
+        return [Call("all_reduce", grad_bytes, 1, "bwd", "grads")]
+    if zero in (1, 2):
+        return [Call("reduce_scatter", grad_bytes, 1, "bwd", "grads"),
+                Call("all_gather", param_bytes, 1, "step", "updated params")]
+    return [Call("all_gather", param_bytes, gathers_per_micro_batch * micro_batches, "fwd", "params"),
+            Call("reduce_scatter", grad_bytes, 1, "bwd", "grads")]
+
+
+def dp_comm_bytes_per_step(param_bytes: int, n: int, stage: int, micro_batches: int = 1) -> int:
+    """Ring bytes one rank sends on the data-parallel axis in one optimizer step (fp32 gradients
+    of the same size as the parameters; ``param_bytes`` includes padding to a multiple of n)."""
+    calls = dp_step_calls(stage, param_bytes, param_bytes, micro_batches)
+    return sum(total_wire_bytes(calls, n).values())
