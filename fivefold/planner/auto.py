@@ -13,6 +13,7 @@ from typing import Callable
 
 from ..config import Config, Layout, ModelConfig
 from ..layout import LayoutError, validate
+from ..precision import PrecisionPolicy
 from .errors import PlanError
 from .hardware import Hardware, calibrate, get_hardware, load_calibration
 from .spec import LayoutSpec, ModelSpec
@@ -63,7 +64,7 @@ def choose_layout(
 
     world = world_size or min(os.cpu_count() or 1, 8)
     hw = machine_hardware(world, hardware)
-    precision = "bf16" if config.train.dtype == "bf16" else "fp32"
+    precision = PrecisionPolicy.from_train(config.train).name  # e.g. "bf16,params=fp32,reduce=fp32"
     spec = model_spec(config.model, config.train.seq_len)
     candidates = search(spec, gpus=world, hardware=hw, global_batch=config.train.global_batch, precision=precision, top=None)
     accepted = []

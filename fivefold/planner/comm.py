@@ -36,7 +36,8 @@ hidden, X = b s h / c activation elements of the dtype, m micro-batches):
   tied embeddings and pp > 1 one all-reduce of the word-embedding gradient between the
   first and last stage.
 * dp, over dp x cp ranks for non-expert and dp x cp / ep for expert parameters, Psi the
-  bytes of the rank's gradients or parameters: ZeRO-0 one all-reduce per step
+  bytes of the rank's gradients (in the policy's reduction dtype) or parameters (in the
+  parameters' dtype; fivefold.precision): ZeRO-0 one all-reduce per step
   (2(N - 1)/N Psi); ZeRO-1 reduce-scatter of gradients + all-gather of updated
   parameters per step (same total); ZeRO-2 as ZeRO-1 but the gradient reduce-scatter
   runs every micro-batch (gradients are kept sharded); ZeRO-3 all-gathers parameters
@@ -212,7 +213,11 @@ def pp_sends(m: ModelSpec, lay: LayoutSpec, ab: int, stage: int, tied_vocab_byte
 
 def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: float,
              ranks_dense: int, ranks_expert: int) -> list[Collective]:
-    """Data-parallel (ZeRO) collectives for ``dense`` and ``expert`` parameters held here."""
+    """Data-parallel (ZeRO) collectives for ``dense`` and ``expert`` parameters held here.
+
+    ``param_b``: bytes per parameter gathered (ZeRO-1/2/3); ``grad_b``: per gradient element
+    reduced (the precision policy's reduction dtype).
+    """
     mbs = lay.num_micro_batches
     out: list[Collective] = []
     for what, psi, n, span in (("non-expert", dense, ranks_dense, lay.tp * lay.cp * lay.dp),
@@ -224,12 +229,12 @@ def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: f
         if lay.zero == 0:
             out.append(c("all_reduce", g, 1, "bwd", "grads"))
         elif lay.zero in (1, 2):
-            out += [c("reduce_scatter", g, 1, "bwd", "grads"),
+            out += [c("reduce_scatter", g, 1 if lay.zero == 1 else mbs, "bwd", "grads"),
                     c("all_gather", p, 1, "step", "updated params")]
         else:
             gathers = 3 if lay.recompute == "full" else 2
             out += [c("all_gather", p, gathers * mbs, "fwd", "params"),
-                    c("reduce_scatter", g, 1, "bwd", "grads")]
+                    c("reduce_scatter", g, mbs, "bwd", "grads")]
     return out
 
 
