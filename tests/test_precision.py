@@ -132,15 +132,17 @@ BF16_PARAM_NORM_RTOL = 2.0**-4
 
 
 def test_bf16_data_parallel_and_zero_match_single_process_and_planner(pools):
-    """dp=2 at ZeRO 0-3 with bf16 parameters, fp32 masters and bf16 reductions.
+    """dp=2 at ZeRO 0-3 with bf16 parameters, fp32 masters and bf16 (or fp32) reductions.
 
     Without accumulation each rank's micro-batch is the single-process run's matching
-    micro-batch, and a sum of two bf16 gradients is rounded once whether autograd or the
-    reduce-scatter adds them: losses and weights equal the bf16 single-process run bit for
-    bit (the gradient norm is summed in another order, within 1e-5). Against fp32 see the
-    bounds above. Memory and dp bytes match the planner, also with gradient accumulation.
+    micro-batch, and a sum of two bf16 gradients is rounded to bf16 once whether autograd,
+    a bf16 reduction or an (exact) fp32 reduction adds them: losses and weights equal the
+    bf16 single-process run bit for bit (the gradient norm is summed in another order,
+    within 1e-5). Against fp32 see the bounds above. Memory and dp bytes match the planner,
+    also with gradient accumulation.
     """
     parity = [validate(small(*BF16, dp=2, zero=z), 2) for z in (0, 1, 2, 3)]
+    parity += [validate(small(*BF16, "train.reduce_dtype=fp32", dp=2, zero=z), 2) for z in (0, 2)]
     accumulated = [validate(small(*BF16, dp=2, zero=z, grad_accum=2), 2) for z in (0, 1, 2, 3)]
     results = pools.run(2, _train_both, parity, accumulated)
     fp32_single = _matched_single(small(dp=2), STEPS)
@@ -167,3 +169,36 @@ def _check_close_to_fp32(config, trace: TrainTrace, fp32: TrainTrace) -> None:
 def _train_both(ctx, parity: list, accumulated: list) -> tuple[list[dict], list[dict]]:
     """The parity configs for STEPS steps, the accumulated ones for one (memory and bytes only)."""
     return train_configs_on_rank(ctx, parity, STEPS), train_configs_on_rank(ctx, accumulated, 1)
+
+
+def _zero2_after_first_micro_batch(ctx) -> dict:
+    from fivefold.memory import held_memory
+    from fivefold.train import build
+
+    config = validate(small(dp=2, zero=2, bucket_mb=0.05), 2)
+    mesh = ctx.mesh(config.layout)
+    model = build(config, mesh, torch.device("cpu"))
+    optimizer = model.optimizer
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(ctx.rank))
+    mesh.stats.reset()
+    with optimizer.no_sync():  # an accumulation micro-batch
+        logits, _ = model.chunks[0](tokens)
+        logits.float().pow(2).mean().backward()
+    return {
+        "full_grads_left": sum(p.grad is not None for p in model.chunks[0].parameters()),
+        "shards": sum(g is not None for g in optimizer.grad_shards),
+        "buckets": len(optimizer.buckets),
+        "grads_held": held_memory(model.chunks, optimizer).grads,
+        "shard_bytes": sum(4 * (hi - lo) for lo, hi in optimizer.ranges),
+        "dp_bytes": mesh.stats.axis_bytes("dp_cp"),
+        "bucket_bytes": 4 * sum(b.numel for b in optimizer.buckets),
+    }
+
+
+def test_zero2_reduce_scatters_every_micro_batch_into_its_shard(pools):
+    """After one accumulation micro-batch a ZeRO-2 rank holds its gradient shard only."""
+    result = pools.run(2, _zero2_after_first_micro_batch)[0]
+    assert result["buckets"] >= 3
+    assert result["full_grads_left"] == 0 and result["shards"] == result["buckets"]
+    assert result["grads_held"] == result["shard_bytes"]
+    assert result["dp_bytes"] == result["bucket_bytes"] // 2  # one reduce-scatter: (n - 1)/n of the buffer

@@ -250,11 +250,10 @@ class ZeroAdamW:
         shard = sum(max(0, hi - max(lo, b.used)) for b, (lo, hi) in zip(self.buckets, self.ranges))
         grads_held = any(g is not None for g in self.grad_shards)
         precision = self.settings.precision
-        fp32_per_element = 4 * (2 + (1 if precision.has_master_weights else 0))  # moments (+ master)
         return {
             "params": (shard if self.stage == 3 else full) * precision.param_bytes,
             "grads": (full if self.stage == 1 else (shard if grads_held else 0)) * precision.grad_bytes,
-            "optimizer": shard * fp32_per_element,
+            "optimizer": shard * precision.optimizer_bytes(),  # Adam's moments (+ the fp32 master)
         }
 
     def state_dict(self) -> dict:
