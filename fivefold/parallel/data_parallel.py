@@ -468,7 +468,11 @@ class DataParallelAdamW:
         work = comm.all_reduce(wire, bucket.axis, async_op=True)
         if wire is bucket.grads:
             return Pending(work)
-        return Pending(work, lambda: bucket.grads.copy_(wire), keep=(wire,))
+
+        def land() -> None:  # the sum, stored back in the gradients' dtype
+            bucket.grads.copy_(wire)
+
+        return Pending(work, land, keep=(wire,))
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.reducer.no_sync()
