@@ -120,7 +120,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    dtype: str = "fp32"  # fp32, or bf16 (autocast with fp32 master weights)
+    dtype: str = "fp32"  # compute: fp32, or bf16 (autocast; fp32 weights unless param_dtype says otherwise)
+    param_dtype: str = "fp32"  # parameters and gradients: fp32, or bf16 (fp32 master weights in the optimizer)
+    reduce_dtype: str = ""  # data-parallel gradient sums: fp32 or bf16; empty: param_dtype
     seed: int = 1234
     eval_interval: int = 50  # 0 disables validation
     eval_batches: int = 4

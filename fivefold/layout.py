@@ -11,11 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from .config import Config, Layout, ModelConfig, TrainConfig
+from .precision import PrecisionError, PrecisionPolicy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_ALGORITHMS = ("allgather", "ring", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
-DTYPES = ("fp32", "bf16")
 
 
 class LayoutError(ValueError):
@@ -301,8 +301,10 @@ def validate(config: Config, world_size: int | None = None) -> Config:
     layout, model, train = config.layout, config.model, config.train
     _check_choices(layout)
     _check_model(model)
-    if train.dtype not in DTYPES:
-        raise LayoutError(f"train.dtype='{train.dtype}' is unknown; use one of {', '.join(DTYPES)}")
+    try:
+        PrecisionPolicy.from_train(train)
+    except PrecisionError as err:
+        raise LayoutError(str(err)) from None
     if train.seq_len > model.max_seq_len:
         raise LayoutError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model.max_seq_len}")
     if world_size is not None and world_size != layout.world_size:

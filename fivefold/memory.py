@@ -3,10 +3,9 @@
 `held_memory` walks the model chunks and the optimizer's own tensors and adds up the bytes
 of every distinct storage (views of one flat buffer count once; a storage resized to zero,
 like a freed ZeRO-3 parameter buffer, counts nothing). `zero_formula_bytes` is the ZeRO
-paper's per-stage model for comparison, with fivefold's dtypes: fp32 parameters (they are
-also the master weights: bf16 runs autocast over them), fp32 gradients, and two fp32 Adam
-moments (K = 8 bytes of optimizer state per parameter, instead of the paper's 12 for mixed
-precision with a separate fp32 copy).
+paper's per-stage model for comparison, with the bytes per parameter of the run's precision
+policy (fivefold.precision): 4 + 4 + 8 in fp32 (and under bf16 autocast over fp32 weights),
+2 + 2 + 12 with bf16 parameters (the fp32 master weights count as optimizer state).
 """
 
 from __future__ import annotations
@@ -17,7 +16,9 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 4, 4, 8  # per parameter, fivefold's dtypes
+from .precision import PrecisionPolicy
+
+FP32 = PrecisionPolicy()
 
 
 class HoldsTensors(Protocol):
@@ -65,18 +66,16 @@ def held_memory(chunks: list[nn.Module], optimizer: object) -> HeldMemory:
     param_bytes = _storage_bytes(params + own.get("params", []), seen)
     grad_bytes = _storage_bytes([p.grad for p in params] + own.get("grads", []), seen)
     state = own.get("optimizer")
-    if state is None and hasattr(optimizer, "state"):  # ReplicatedAdamW: {id: (exp_avg, exp_avg_sq)}
-        state = [t for pair in optimizer.state.values() for t in pair]
-    optimizer_bytes = _storage_bytes(state or [], seen)
+    optimizer_bytes = _storage_bytes(state or [], seen)  # moments and any separate fp32 master weights
     padding = optimizer.padding_bytes() if hasattr(optimizer, "padding_bytes") else {}
     return HeldMemory(param_bytes, grad_bytes, optimizer_bytes, padding)
 
 
-def zero_formula_bytes(psi: int, n: int, stage: int) -> dict[str, float]:
+def zero_formula_bytes(psi: int, n: int, stage: int, policy: PrecisionPolicy = FP32) -> dict[str, float]:
     """The ZeRO paper's per-rank bytes for psi parameters sharded over n data-parallel ranks."""
     shard = 1.0 / n
     return {
-        "params": PARAM_BYTES * psi * (shard if stage >= 3 else 1.0),
-        "grads": GRAD_BYTES * psi * (shard if stage >= 2 else 1.0),
-        "optimizer": OPTIMIZER_BYTES * psi * (shard if stage >= 1 else 1.0),
+        "params": policy.param_bytes * psi * (shard if stage >= 3 else 1.0),
+        "grads": policy.grad_bytes * psi * (shard if stage >= 2 else 1.0),
+        "optimizer": policy.optimizer_bytes() * psi * (shard if stage >= 1 else 1.0),
     }

@@ -21,6 +21,8 @@ from .config import Config
 if TYPE_CHECKING:
     import torch
 
+    from .precision import PrecisionPolicy
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
@@ -243,21 +245,28 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
                   gathers_per_micro_batch: int = 2) -> list[Call]:
     """Data-parallel (ZeRO) collectives of one step for a rank's gradients / parameters.
 
-    ZeRO-0: one all-reduce of the gradients. ZeRO-1/2: reduce-scatter of the gradients and
-    all-gather of the updated parameters. ZeRO-3: all-gather of the parameters for each
-    micro-batch's forward and backward (and recomputation), one gradient reduce-scatter.
+    ZeRO-0: one all-reduce of the gradients per step. ZeRO-1: reduce-scatter of the gradients
+    and all-gather of the updated parameters, once per step. ZeRO-2: the gradient
+    reduce-scatter runs after every micro-batch (gradients stay sharded), the all-gather once.
+    ZeRO-3: all-gather of the parameters for each micro-batch's forward and backward (and
+    recomputation), a gradient reduce-scatter per micro-batch.
     """
     if zero == 0:
         return [Call("all_reduce", grad_bytes, 1, "bwd", "grads")]
+    reduce_scatters = 1 if zero == 1 else micro_batches
     if zero in (1, 2):
-        return [Call("reduce_scatter", grad_bytes, 1, "bwd", "grads"),
+        return [Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads"),
                 Call("all_gather", param_bytes, 1, "step", "updated params")]
     return [Call("all_gather", param_bytes, gathers_per_micro_batch * micro_batches, "fwd", "params"),
-            Call("reduce_scatter", grad_bytes, 1, "bwd", "grads")]
+            Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads")]
 
 
-def dp_comm_bytes_per_step(param_bytes: int, n: int, stage: int, micro_batches: int = 1) -> int:
-    """Ring bytes one rank sends on the data-parallel axis in one optimizer step (fp32 gradients
-    of the same size as the parameters; ``param_bytes`` includes padding to a multiple of n)."""
-    calls = dp_step_calls(stage, param_bytes, param_bytes, micro_batches)
-    return sum(total_wire_bytes(calls, n).values())
+def dp_comm_bytes_per_step(elements: int, n: int, stage: int, micro_batches: int = 1,
+                           policy: "PrecisionPolicy | None" = None) -> int:
+    """Ring bytes one rank sends on the data-parallel axis in one optimizer step for `elements`
+    gradient/parameter elements (padding to a multiple of n included): gradients travel in the
+    policy's reduction dtype, parameters in their own (fp32 for both without a policy)."""
+    grad_bytes = elements * (policy.reduce_bytes if policy else 4)
+    param_bytes = elements * (policy.param_bytes if policy else 4)
+    calls = dp_step_calls(stage, grad_bytes, param_bytes, micro_batches)
+    return int(sum(total_wire_bytes(calls, n).values()))

@@ -6,7 +6,8 @@ comm.py) are compared with `fivefold.planner.estimate` for the same layout. The 
 axis (loss reporting, the global gradient norm) is not a parallel axis and is left out.
 Expert parallelism is left out of the exact byte check: its all-to-all volume depends on the
 actual routing, which the planner assumes balanced (test_expert_parallel checks the runtime
-against the volume computed from the real routing counts).
+against the volume computed from the real routing counts). These runs are fp32; bf16 with
+fp32 master weights is checked the same way in test_precision.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fivefold.config import load_config
 from fivefold.layout import validate
 from fivefold.planner import LayoutSpec, estimate
 from fivefold.planner.auto import model_spec
+from fivefold.precision import PrecisionPolicy
 
 AXIS_NAMES = {"dp_cp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "edp": "dp"}
 
@@ -56,13 +58,15 @@ def _planner(config):
         micro_batch=layout.micro_batch, global_batch=config.train.global_batch, schedule=layout.pp_schedule,
         sequence_parallel=layout.sequence_parallel, cp_kind=layout.cp_algorithm,
     )
-    return estimate(model_spec(config.model, config.train.seq_len), spec, hardware="cpu", precision="fp32")
+    precision = PrecisionPolicy.from_train(config.train).name
+    return estimate(model_spec(config.model, config.train.seq_len), spec, hardware="cpu", precision=precision)
 
 
 LAYOUTS = {
     2: [
         {"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3},
-        {"dp": 2, "zero": 1, "grad_accum": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True},
+        {"dp": 2, "zero": 1, "grad_accum": 2}, {"dp": 2, "grad_accum": 2}, {"dp": 2, "zero": 2, "grad_accum": 2},
+        {"dp": 2, "zero": 3, "grad_accum": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True},
         {"pp": 2, "grad_accum": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2, "cp_algorithm": "allgather"},
         {"cp": 2, "cp_algorithm": "ulysses"},
     ],

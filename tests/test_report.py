@@ -261,7 +261,7 @@ def test_rules_of_thumb_name_the_rule_and_the_override():
     from fivefold.planner.compare import rules_of_thumb
 
     dense = load_model("llama3-70b")
-    chosen = estimate(dense, parse_layout("dp=1,tp=8,pp=8,zero=1,mb=1", global_batch=64), "H100-80GB")
+    chosen = estimate(dense, parse_layout("dp=1,tp=8,pp=8,zero=0,mb=1", global_batch=64), "H100-80GB")
     text = "\n".join(rules_of_thumb(dense, chosen))
     assert "TP inside a node: followed" in text and "PP across nodes: followed" in text
     assert "DP first: does not apply" in text

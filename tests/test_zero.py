@@ -20,7 +20,7 @@ def check_memory_and_comm(config, per_rank: list[dict]) -> None:
         for kind, expected in zero_formula_bytes(psi, n, stage).items():
             assert abs(held[kind] - expected) <= 0.01 * expected, (layout, kind, held, expected)
         assert result["bucket_elements"] == psi  # the tiny model needs no padding for n <= 8
-        analytic = dp_comm_bytes_per_step(4 * result["bucket_elements"], n, stage, layout.grad_accum)
+        analytic = dp_comm_bytes_per_step(result["bucket_elements"], n, stage, layout.grad_accum)
         assert result["dp_bytes"] == STEPS * analytic, (layout, result["dp_bytes"], analytic)
 
 

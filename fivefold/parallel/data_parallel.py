@@ -14,6 +14,11 @@ The pieces here are shared with ZeRO (zero.py):
   complete and launches its collective asynchronously, buckets of one axis strictly in order
   so every rank issues the same collectives in the same order (DDP does the same);
 - `flat_adamw_` runs the shared element-wise AdamW over any slice of a bucket.
+
+Precision (fivefold.precision, carried by AdamWSettings): the flat parameter and gradient
+buffers are in the policy's parameter dtype; with bf16 parameters the optimizer updates an
+fp32 master copy and writes the result back into the parameters. Gradients are summed in
+the policy's reduction dtype (a cast copy when it differs) and stored back in theirs.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch.nn as nn
 
 from ..mesh import Axis, Mesh
 from . import comm
-from .optim import AdamWSettings, adamw_update_, decays
+from .optim import AdamWSettings, adamw_update_, decays, master_copy
 from .sharding import Placement, get_placement, replica_count
 
 MB = 1 << 20
@@ -98,6 +103,15 @@ class FlatBucket:
             flat[seg.start : seg.end].copy_(seg.param.data.reshape(-1))
             seg.param.data = flat[seg.start : seg.end].view_as(seg.param)
         self.params = flat
+
+    def cast_params_(self, dtype: torch.dtype) -> None:
+        """Store the flat parameters in `dtype`; the parameters stay views of the new buffer."""
+        if dtype == self.dtype:
+            return
+        flat = self.params.to(dtype)
+        for seg in self.segments:
+            seg.param.data = flat[seg.start : seg.end].view_as(seg.param)
+        self.params, self.dtype = flat, dtype
 
     def attach_grad_views_(self) -> None:
         """Give every parameter a .grad that views this bucket's flat gradient buffer."""
@@ -250,7 +264,13 @@ class BucketReducer:
     `launch(bucket) -> Pending` starts the collective; `on_complete(bucket)` (optional) runs
     on every completion, also inside no_sync (ZeRO-3 frees gathered parameters there);
     while `defer()` is true, launches wait for `finish()`.
-    Launches follow bucket order per axis, so all ranks issue collectives identically.
+    Launches follow bucket order per axis and group, so all ranks issue collectives identically.
+
+    `per_backward` (ZeRO-2/3): every backward is reduced, inside no_sync too. At the end of a
+    backward (an autograd engine callback, as DDP uses) the buckets of every group it touched
+    (a group is a model chunk, `bucket.extra["group"]`) that have not launched are launched,
+    all its collectives are waited for, and a new round starts. Without it, only backward
+    passes outside no_sync reduce, and `finish()` launches what is left.
     """
 
     def __init__(
@@ -259,11 +279,14 @@ class BucketReducer:
         launch: Callable[[FlatBucket], Pending],
         on_complete: Callable[[FlatBucket], None] | None = None,
         defer: Callable[[], bool] = lambda: False,
+        per_backward: bool = False,
     ) -> None:
         self.buckets, self.launch, self.on_complete = buckets, launch, on_complete
         self.syncing = True
         self.defer = defer  # True: reduce only in finish() (ZeRO-2/3 when grad finalizers must run first)
+        self.per_backward = per_backward
         self.pending: list[Pending] = []
+        self.touched: set[int] = set()  # groups whose gradients this backward produced (per_backward)
         self._reset()
         for bucket in buckets:
             for seg in bucket.segments:
@@ -272,9 +295,9 @@ class BucketReducer:
     def _reset(self) -> None:
         self.ready = [0] * len(self.buckets)
         self.launched = [False] * len(self.buckets)
-        self.next_by_axis: dict[str, list[int]] = {}
+        self.next_by_axis: dict[tuple[str, int], list[int]] = {}
         for bucket in self.buckets:
-            self.next_by_axis.setdefault(bucket.axis.name, []).append(bucket.index)
+            self.next_by_axis.setdefault(_queue_key(bucket), []).append(bucket.index)
 
     def _hook(self, bucket: FlatBucket, seg: Segment) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -288,19 +311,35 @@ class BucketReducer:
                 if param.grad.data_ptr() != view.data_ptr():  # someone replaced .grad: fold it back
                     view.copy_(param.grad)
                     param.grad = view
+            reducing = not self.defer() and (self.syncing or self.per_backward)
+            if reducing and self.per_backward:
+                self._join_round(bucket)
             self.ready[bucket.index] += 1
             if self.ready[bucket.index] == len(bucket.segments):
                 self.ready[bucket.index] = 0
                 if self.on_complete is not None:
                     self.on_complete(bucket)
-                if self.syncing and not self.defer():
+                if reducing:
                     self._mark_complete(bucket)
 
         return hook
 
+    def _join_round(self, bucket: FlatBucket) -> None:
+        if not self.touched:  # the first gradient of this backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.touched.add(bucket.extra.get("group", 0))
+
+    def _end_of_backward(self) -> None:
+        """Launch the touched groups' remaining buckets (in order), wait, start a new round."""
+        for bucket in self.buckets:
+            if bucket.extra.get("group", 0) in self.touched and not self.launched[bucket.index]:
+                self._mark_complete(bucket)
+        self._wait_all()
+        self.touched.clear()
+
     def _mark_complete(self, bucket: FlatBucket) -> None:
         bucket.extra["complete"] = True
-        order = self.next_by_axis[bucket.axis.name]
+        order = self.next_by_axis[_queue_key(bucket)]
         while order and self.buckets[order[0]].extra.get("complete"):
             self._launch(self.buckets[order.pop(0)])
 
@@ -309,10 +348,17 @@ class BucketReducer:
         self.pending.append(self.launch(bucket))
 
     def finish(self) -> None:
-        """Launch what backward did not complete (unused parameters, deferral), wait for all."""
-        for bucket in self.buckets:
-            if not self.launched[bucket.index]:
-                self._launch(bucket)
+        """Launch what backward did not complete (unused parameters, deferral), wait for all.
+
+        In per_backward mode every backward has already been reduced, unless deferred.
+        """
+        if not self.per_backward or self.defer():
+            for bucket in self.buckets:
+                if not self.launched[bucket.index]:
+                    self._launch(bucket)
+        self._wait_all()
+
+    def _wait_all(self) -> None:
         for pending in self.pending:
             pending.wait()
         self.pending = []
@@ -327,6 +373,10 @@ class BucketReducer:
             yield
         finally:
             self.syncing = previous
+
+
+def _queue_key(bucket: FlatBucket) -> tuple[str, int]:
+    return bucket.axis.name, bucket.extra.get("group", 0)
 
 
 # ----------------------------------------------------------------------------- the update
@@ -404,14 +454,25 @@ class DataParallelAdamW:
         check_replicas_identical(self.buckets)
         for bucket in self.buckets:
             bucket.flatten_params_()
+        self.masters = [master_copy(b.params, settings) for b in self.buckets]  # fp32, taken before the cast
+        for bucket in self.buckets:
+            bucket.cast_params_(settings.param_dtype)
             bucket.attach_grad_views_()
-        self.state = [(torch.zeros_like(b.params), torch.zeros_like(b.params)) for b in self.buckets]
+        self.state = [(torch.zeros_like(w), torch.zeros_like(w)) for w in self.masters]
         self.steps = 0
         self.grad_finalizers: list[Callable[[], None]] = []
         self.reducer = BucketReducer(self.buckets, self._launch)
 
     def _launch(self, bucket: FlatBucket) -> Pending:
-        return Pending(comm.all_reduce(bucket.grads, bucket.axis, async_op=True))
+        wire = bucket.grads.to(self.settings.reduce_dtype)  # the gradients themselves when the dtypes agree
+        work = comm.all_reduce(wire, bucket.axis, async_op=True)
+        if wire is bucket.grads:
+            return Pending(work)
+
+        def land() -> None:  # the sum, stored back in the gradients' dtype
+            bucket.grads.copy_(wire)
+
+        return Pending(work, land, keep=(wire,))
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.reducer.no_sync()
@@ -433,8 +494,10 @@ class DataParallelAdamW:
 
     def step(self, lr: float) -> None:
         self.steps += 1
-        for bucket, state in zip(self.buckets, self.state):
-            flat_adamw_(bucket, 0, bucket.numel, bucket.params, bucket.grads, state, self.steps, lr, self.settings)
+        for bucket, master, state in zip(self.buckets, self.masters, self.state):
+            flat_adamw_(bucket, 0, bucket.numel, master, bucket.grads, state, self.steps, lr, self.settings)
+            if master is not bucket.params:
+                bucket.params.copy_(master)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -444,10 +507,11 @@ class DataParallelAdamW:
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
+        masters = [w for w, b in zip(self.masters, self.buckets) if w is not b.params]
         return {
             "params": [b.params for b in self.buckets],
             "grads": [b.grads for b in self.buckets],
-            "optimizer": [t for pair in self.state for t in pair],
+            "optimizer": [t for pair in self.state for t in pair] + masters,  # fp32 masters are optimizer state
         }
 
     def padding_bytes(self) -> dict[str, int]:
@@ -459,11 +523,24 @@ class DataParallelAdamW:
     def load_state_dict(self, state: dict) -> None:
         self.steps = load_optimizer_state(self.buckets, self.state, [(0, b.numel) for b in self.buckets], state)
 
+    # Checkpoint protocol (fivefold/checkpoint.py): with master weights the optimizer owns the
+    # parameters, and saves the fp32 masters as them.
+    @property
+    def owns_parameter_shards(self) -> bool:
+        return self.settings.precision.has_master_weights
+
     def sharded_state(self) -> dict:
-        return flat_sharded_state(self.buckets, self.state, [(0, b.numel) for b in self.buckets], sharded=False)
+        masters = self.masters if self.owns_parameter_shards else None
+        ranges = [(0, b.numel) for b in self.buckets]
+        return flat_sharded_state(self.buckets, self.state, ranges, sharded=False, param_shards=masters)
 
     def load_sharded_state(self, reader) -> None:
-        load_flat_sharded_state(reader, self.buckets, self.state, [(0, b.numel) for b in self.buckets], sharded=False)
+        masters = self.masters if self.owns_parameter_shards else None
+        ranges = [(0, b.numel) for b in self.buckets]
+        load_flat_sharded_state(reader, self.buckets, self.state, ranges, sharded=False, param_shards=masters)
+        for bucket, master in zip(self.buckets, self.masters):
+            if master is not bucket.params:
+                bucket.params.copy_(master)
 
 
 # ----------------------------------------------------------------------------- checkpoint schema
@@ -539,7 +616,7 @@ def squared_grad_sum(
         if grad is None:
             continue
         for start, end, copies in _copy_runs(bucket, lo, hi, mesh, sharded):
-            norm = torch.linalg.vector_norm(grad[start - lo : end - lo]).double().cpu()
+            norm = torch.linalg.vector_norm(grad[start - lo : end - lo], dtype=torch.float32).double().cpu()
             total += norm * norm / copies
     return total
 

@@ -18,8 +18,12 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..mesh import Mesh
+from ..precision import PrecisionPolicy
 from . import comm
 from .sharding import Placement, get_placement, replica_count
+
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,26 @@ class AdamWSettings:
     beta2: float
     eps: float
     weight_decay: float
+    precision: PrecisionPolicy = PrecisionPolicy()  # what the parameters, gradients and reductions use
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> "AdamWSettings":
-        return cls(train.beta1, train.beta2, train.eps, train.weight_decay)
+        return cls(train.beta1, train.beta2, train.eps, train.weight_decay, PrecisionPolicy.from_train(train))
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.precision.params]
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.precision.reduce]
+
+
+def master_copy(weights: torch.Tensor, settings: AdamWSettings) -> torch.Tensor:
+    """The fp32 weights the update runs on: `weights` themselves in fp32, else a new fp32 copy."""
+    if settings.precision.has_master_weights:
+        return weights.detach().float().clone()
+    return weights
 
 
 def decays(name: str, ndim: int) -> bool:
@@ -103,7 +123,11 @@ class ReplicatedAdamW:
     def __init__(self, modules: list[nn.Module], mesh: Mesh, settings: AdamWSettings) -> None:
         self.mesh, self.settings = mesh, settings
         self.named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
-        self.state = {id(p): (torch.zeros_like(p), torch.zeros_like(p)) for _, p in self.named}
+        # fp32 master weights (the parameters themselves in fp32), then the parameters in their dtype
+        self.masters = {id(p): master_copy(p.data, settings) for _, p in self.named}
+        for _, p in self.named:
+            p.data = p.data.to(settings.param_dtype)
+        self.state = {id(p): (torch.zeros_like(w), torch.zeros_like(w)) for p, w in self._with_masters()}
         self.steps = 0
         self.grad_finalizers: list[Callable[[], None]] = []
 
@@ -125,25 +149,46 @@ class ReplicatedAdamW:
                         p.grad.mul_(coef)
         return float(norm)
 
+    def _with_masters(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(p, self.masters[id(p)]) for _, p in self.named]
+
     def step(self, lr: float) -> None:
         self.steps += 1
         for name, p in self.named:
             if p.grad is None:
                 continue
             m, v = self.state[id(p)]
-            adamw_update_(p.data, p.grad, m, v, self.steps, lr, self.settings, decays(name, p.dim()))
+            master = self.masters[id(p)]
+            adamw_update_(master, p.grad, m, v, self.steps, lr, self.settings, decays(name, p.dim()))
+            if master is not p.data:
+                p.data.copy_(master)
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
+        own = [w for p, w in self._with_masters() if w is not p.data]  # fp32 masters count as optimizer state
+        return {"optimizer": [t for pair in self.state.values() for t in pair] + own}
+
+    def padding_bytes(self) -> dict[str, int]:
+        return {"params": 0, "grads": 0, "optimizer": 0}
 
     def zero_grad(self) -> None:
         for _, p in self.named:
             p.grad = None
 
     # Checkpoint protocol (fivefold/checkpoint.py): each state tensor sits where its parameter does.
+    # With master weights the optimizer owns the parameters: the fp32 masters are saved as "param".
+    @property
+    def owns_parameter_shards(self) -> bool:
+        return self.settings.precision.has_master_weights
+
     def sharded_state(self) -> dict[str, dict[str, tuple[torch.Tensor, Placement]]]:
         out = {}
         for name, p in self.named:
             m, v = self.state[id(p)]
             placement = get_placement(p, name)
             out[name] = {"exp_avg": (m, placement), "exp_avg_sq": (v, placement)}
+            if self.owns_parameter_shards:
+                out[name]["param"] = (self.masters[id(p)], placement)
         return out
 
     def load_sharded_state(self, reader) -> None:
@@ -151,6 +196,9 @@ class ReplicatedAdamW:
             placement = get_placement(p, name)
             for key, tensor in zip(("exp_avg", "exp_avg_sq"), self.state[id(p)]):
                 reader.read_into(tensor, placement, key)
+            if self.owns_parameter_shards:
+                reader.read_into(self.masters[id(p)], placement, "param")
+                p.data.copy_(self.masters[id(p)])
 
 
 def lr_at(step: int, train: TrainConfig) -> float:

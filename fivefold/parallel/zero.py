@@ -8,7 +8,9 @@ them, and (stages 1-2) all-gathers the updated parameters into the flat buffer.
 - Stage 1: full gradients live in each bucket's flat buffer (the .grad are views); the
   reduce-scatter lands in this rank's slice of it.
 - Stage 2: gradients are produced by autograd per parameter; when a bucket is complete they
-  are packed, reduce-scattered and dropped, so after backward a rank holds only its shard.
+  are packed, reduce-scattered and dropped, and the result is added to this rank's sharded
+  gradient buffer. This happens for every backward, micro-batches of an accumulated step
+  included, so a rank never holds more than one backward's full gradients.
 - Stage 3: parameters are sharded too. Each transformer block, plus the rest of a chunk
   (embedding, final norm, head) as its "root" unit, is gathered before its forward and
   freed after it, gathered again when the gradient reaches its output, and freed once all
@@ -16,20 +18,25 @@ them, and (stages 1-2) all-gathers the updated parameters into the flat buffer.
   gather is prefetched while the current one computes. Freeing resizes the flat storage to
   zero, so tensors saved for backward that view it are refilled by the next gather.
 
-Training in bf16 uses autocast over fp32 parameters: the fp32 "master weights" of the
-ZeRO paper are the parameters themselves (sharded in stage 3, in the Adam update of every
-stage); there is no separate fp16/bf16 copy to keep.
+Precision (fivefold.precision): the flat parameter buffers, the gathered parameters and
+the gradients are in the policy's parameter dtype. The update runs on fp32 master weights:
+with fp32 parameters these are the parameters (stages 1-2: this rank's slice of the flat
+buffer; stage 3: its shard), with bf16 parameters a separate fp32 copy of this rank's
+shard, kept with Adam's moments (the ZeRO paper's 2 + 2 + 12 bytes per parameter, all
+sharded at stage 3). Stage 3 keeps its shard in the parameters' dtype too, as the source of
+its all-gathers. Gradients are reduce-scattered in the policy's reduction dtype.
 
-Gradient accumulation: inside `no_sync()` gradients accumulate whole on every rank (in the
-flat buffers for stage 1, in .grad for stages 2-3) and only the last micro-batch reduces,
-so the per-step communication is that of one batch, at the memory cost of full gradients
-during accumulation (stage 3 still gathers parameters for every micro-batch).
+Gradient accumulation: stage 1 accumulates whole gradients in its flat buffers inside
+`no_sync()` and reduces once per step; stages 2-3 reduce-scatter after every backward (the
+planner, like DeepSpeed, assumes the same), so their communication grows with the number
+of micro-batches while their memory stays sharded.
 
 Gradient finalizers (e.g. summing sequence-parallel norm gradients over tp, tied embeddings
 over pp) are linear sums over other axes, so they commute with the data-parallel sum. Every
 ZeRO stage reduce-scatters a copy of the full local .grad, so when finalizers are registered
 the reductions wait for finish_grad_sync, which runs the finalizers first (correct, without
-overlap; plain data parallel runs them after its all-reduce, on the .grad views).
+overlap, and stages 2-3 then hold full gradients until the end of the step; plain data
+parallel runs them after its all-reduce, on the .grad views).
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from .data_parallel import (
     trainable,
 )
 from .data_parallel import flat_sharded_state, load_flat_sharded_state
-from .optim import AdamWSettings
+from .optim import AdamWSettings, master_copy
 
 
 class ZeroAdamW:
@@ -90,36 +97,44 @@ class ZeroAdamW:
             for i, bucket in enumerate(self.buckets):
                 bucket.index = i
         else:
-            self.buckets = plan_buckets(self.named, mesh, int(bucket_mb * MB), pad_to_axis=True)
+            self.buckets = plan_chunk_buckets(chunks, mesh, int(bucket_mb * MB))
         check_replicas_identical(self.buckets)
         for bucket in self.buckets:
             bucket.flatten_params_()
+        self.ranges = [b.shard_range() for b in self.buckets]
+        self.masters = [self._master_shard(b, lo, hi) for b, (lo, hi) in zip(self.buckets, self.ranges)]
+        for bucket in self.buckets:
+            bucket.cast_params_(settings.param_dtype)
             if stage == 1:
                 bucket.attach_grad_views_()
-        self.ranges = [b.shard_range() for b in self.buckets]
-        self.param_shards = [self._own_shard(b, lo, hi) for b, (lo, hi) in zip(self.buckets, self.ranges)]
-        self.state = [(torch.zeros_like(s), torch.zeros_like(s)) for s in self.param_shards]
+        # Stage 3: this rank's shard in the parameters' dtype, which the all-gathers read.
+        self.param_shards = [m.to(settings.param_dtype) for m in self.masters] if stage == 3 else []
+        self.state = [(torch.zeros_like(m), torch.zeros_like(m)) for m in self.masters]
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.steps = 0
         self.grad_finalizers: list[Callable[[], None]] = []
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
         on_complete = self.gatherer.free_bucket if self.gatherer else None
         defer = lambda: bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
-        self.reducer = BucketReducer(self.buckets, self._launch, on_complete, defer)
+        self.reducer = BucketReducer(self.buckets, self._launch, on_complete, defer, per_backward=stage >= 2)
         if self.gatherer:
             self.gatherer.free_all()
 
-    def _own_shard(self, bucket: FlatBucket, lo: int, hi: int) -> torch.Tensor:
-        # Stages 1-2 update a view of the flat buffer; stage 3 keeps the shard apart (the
-        # flat buffer is freed between uses).
-        return bucket.params[lo:hi].clone() if self.stage == 3 else bucket.params[lo:hi]
+    def _master_shard(self, bucket: FlatBucket, lo: int, hi: int) -> torch.Tensor:
+        # fp32 weights the update runs on, taken before the flat buffer is cast. Stages 1-2
+        # with fp32 parameters update a view of the flat buffer; stage 3 keeps the shard
+        # apart (the flat buffer is freed between uses).
+        if self.stage == 3:
+            return bucket.params[lo:hi].clone()
+        return master_copy(bucket.params[lo:hi], self.settings)
 
     # ------------------------------------------------------------------ gradient reduction
 
     def _launch(self, bucket: FlatBucket) -> Pending:
         i = bucket.index
         if self.stage == 1:
-            out, work = comm.reduce_scatter(bucket.grads, bucket.axis, async_op=True)
+            wire = bucket.grads.to(self.settings.reduce_dtype)  # the buffer itself when the dtypes agree
+            out, work = comm.reduce_scatter(wire, bucket.axis, async_op=True)
             lo, hi = self.ranges[i]
 
             def land() -> None:
@@ -127,12 +142,20 @@ class ZeroAdamW:
                 own.copy_(out)
                 self.grad_shards[i] = own
 
-            return Pending(work, land)
+            return Pending(work, land, keep=(wire,))
         full = bucket.gather_grads()  # (numel,) packed from .grad, which is then dropped
         for seg in bucket.segments:
             seg.param.grad = None
-        out, work = comm.reduce_scatter(full, bucket.axis, async_op=True)
-        return Pending(work, lambda: self.grad_shards.__setitem__(i, out), keep=(full,))
+        wire = full.to(self.settings.reduce_dtype)
+        out, work = comm.reduce_scatter(wire, bucket.axis, async_op=True)
+        return Pending(work, lambda: self._accumulate_shard(i, out), keep=(wire,))
+
+    def _accumulate_shard(self, i: int, reduced: torch.Tensor) -> None:
+        """Add one backward's reduced shard to the sharded gradient (stored in the parameters' dtype)."""
+        if self.grad_shards[i] is None:
+            self.grad_shards[i] = reduced.to(self.settings.param_dtype)
+        else:
+            self.grad_shards[i].add_(reduced)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.reducer.no_sync()
@@ -159,16 +182,26 @@ class ZeroAdamW:
 
     def step(self, lr: float) -> None:
         self.steps += 1
-        gathers = []
         for i, bucket in enumerate(self.buckets):
             grad = self.grad_shards[i]
             if grad is None:
-                grad = torch.zeros_like(self.param_shards[i])
+                grad = torch.zeros_like(self.masters[i])
             lo, hi = self.ranges[i]
-            flat_adamw_(bucket, lo, hi, self.param_shards[i], grad, self.state[i], self.steps, lr, self.settings)
-            if self.stage < 3:  # stage 3 gathers lazily, before the next forward
-                updated = self.param_shards[i].clone()
-                gathers.append((comm.all_gather_into(bucket.params, updated, bucket.axis, async_op=True), updated))
+            flat_adamw_(bucket, lo, hi, self.masters[i], grad, self.state[i], self.steps, lr, self.settings)
+        self._publish_masters()
+
+    def _publish_masters(self) -> None:
+        """Make the parameters the (cast) master weights: all-gather them (stages 1-2), or
+        refresh this rank's shard (stage 3 gathers lazily, before the next forward)."""
+        if self.stage == 3:
+            for shard, master in zip(self.param_shards, self.masters):
+                if shard is not master:
+                    shard.copy_(master)
+            return
+        gathers = []
+        for bucket, master in zip(self.buckets, self.masters):
+            updated = master.to(self.settings.param_dtype, copy=True)
+            gathers.append((comm.all_gather_into(bucket.params, updated, bucket.axis, async_op=True), updated))
         for work, _ in gathers:
             if work is not None:
                 work.wait()
@@ -198,25 +231,29 @@ class ZeroAdamW:
         finally:
             self.gatherer.free_all()
 
+    def _separate_masters(self) -> list[torch.Tensor]:
+        """The fp32 masters that are not also the parameters (bf16 parameters)."""
+        return self.masters if self.settings.precision.has_master_weights else []
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
-        params = [b.params for b in self.buckets] + (self.param_shards if self.stage == 3 else [])
+        params = [b.params for b in self.buckets] + self.param_shards
         grads = [g for g in self.grad_shards if g is not None]
         if self.stage == 1:
             grads += [b.grads for b in self.buckets]
-        return {"params": params, "grads": grads, "optimizer": [t for pair in self.state for t in pair]}
+        optimizer = [t for pair in self.state for t in pair] + self._separate_masters()
+        return {"params": params, "grads": grads, "optimizer": optimizer}
 
     def padding_bytes(self) -> dict[str, int]:
         """Bytes of the held tensors that are padding, not parameters."""
-        full = sum(b.padding * b.params.element_size() for b in self.buckets)
-        shard = sum(
-            max(0, hi - max(lo, b.used)) * b.params.element_size() for b, (lo, hi) in zip(self.buckets, self.ranges)
-        )
+        full = sum(b.padding for b in self.buckets)  # elements
+        shard = sum(max(0, hi - max(lo, b.used)) for b, (lo, hi) in zip(self.buckets, self.ranges))
         grads_held = any(g is not None for g in self.grad_shards)
+        precision = self.settings.precision
         return {
-            "params": shard if self.stage == 3 else full,
-            "grads": full if self.stage == 1 else (shard if grads_held else 0),
-            "optimizer": 2 * shard,
+            "params": (shard if self.stage == 3 else full) * precision.param_bytes,
+            "grads": (full if self.stage == 1 else (shard if grads_held else 0)) * precision.grad_bytes,
+            "optimizer": shard * precision.optimizer_bytes(),  # Adam's moments (+ the fp32 master)
         }
 
     def state_dict(self) -> dict:
@@ -225,18 +262,40 @@ class ZeroAdamW:
     def load_state_dict(self, state: dict) -> None:
         self.steps = load_optimizer_state(self.buckets, self.state, self.ranges, state)
 
-    # Checkpoint protocol (fivefold/checkpoint.py): stage 3 owns the parameters' shards.
+    # Checkpoint protocol (fivefold/checkpoint.py): stage 3, and every stage with master
+    # weights, owns the parameters' shards; the fp32 masters are saved as the parameters.
     @property
     def owns_parameter_shards(self) -> bool:
-        return self.stage == 3
+        return self.stage == 3 or self.settings.precision.has_master_weights
 
     def sharded_state(self) -> dict:
-        shards = self.param_shards if self.stage == 3 else None
+        shards = self.masters if self.owns_parameter_shards else None
         return flat_sharded_state(self.buckets, self.state, self.ranges, sharded=True, param_shards=shards)
 
     def load_sharded_state(self, reader) -> None:
-        shards = self.param_shards if self.stage == 3 else None
+        shards = self.masters if self.owns_parameter_shards else None
         load_flat_sharded_state(reader, self.buckets, self.state, self.ranges, sharded=True, param_shards=shards)
+        if self.owns_parameter_shards:
+            self._publish_masters()
+
+
+def plan_chunk_buckets(chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int) -> list[FlatBucket]:
+    """Padded buckets that never span model chunks (their "group" is the chunk's index).
+
+    Under an interleaved pipeline one backward covers one chunk; stages 2-3 reduce what a
+    backward touched, so each of its buckets must be complete by then.
+    """
+    buckets: list[FlatBucket] = []
+    seen: set[int] = set()
+    for c, chunk in enumerate(chunks):
+        named = [(n, p) for n, p in trainable([chunk]) if id(p) not in seen]
+        seen.update(id(p) for _, p in named)
+        for bucket in plan_buckets(named, mesh, bucket_bytes, pad_to_axis=True) if named else []:
+            bucket.extra["group"] = c
+            buckets.append(bucket)
+    for i, bucket in enumerate(buckets):
+        bucket.index = i
+    return buckets
 
 
 # ----------------------------------------------------------------------------- stage 3
@@ -267,7 +326,7 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
         members = [(f"chunk{c}.root", chunk, root)] if root else []
         for key, block in blocks.items():
             members.append((f"chunk{c}.layers.{key}", block, [(f"layers.{key}.{n}", p) for n, p in trainable([block])]))
-        chunk_units = [Unit(name, module, _unit_buckets(named, mesh)) for name, module, named in members if named]
+        chunk_units = [Unit(name, module, _unit_buckets(named, mesh, c)) for name, module, named in members if named]
         for a, b in zip(chunk_units, chunk_units[1:]):
             a.next_forward, b.next_backward = b, a
         if root and len(chunk_units) > 1:  # the head's backward comes first, then the last block's
@@ -276,11 +335,12 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
     return units
 
 
-def _unit_buckets(named: list[tuple[str, nn.Parameter]], mesh: Mesh) -> list[FlatBucket]:
+def _unit_buckets(named: list[tuple[str, nn.Parameter]], mesh: Mesh, chunk: int) -> list[FlatBucket]:
     buckets = []
     for (axis_name, _, _), members in group_by_axis(named, mesh).items():
         axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
         buckets.append(make_bucket(members, axis, axis.size))
+        buckets[-1].extra["group"] = chunk
     return buckets
 
 

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..precision import PrecisionError, parse_policy
 from ..volumes import local_kv_heads
 from .errors import UnknownNameError, choices
 from .spec import LayoutSpec, ModelSpec
 
-PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 class SavedTensor(NamedTuple):
@@ -66,10 +66,11 @@ class SavedTensor(NamedTuple):
 
 
 def activation_dtype_bytes(precision: str) -> int:
-    """2 for bf16/fp16 mixed precision, 4 for fp32."""
-    if precision not in PRECISIONS:
-        raise UnknownNameError(f"precision={precision!r} is unknown; use one of {choices(PRECISIONS)}")
-    return 4 if precision == "fp32" else 2
+    """Bytes of the compute dtype of a precision policy (fivefold.precision): 2 for bf16/fp16, 4 for fp32."""
+    try:
+        return parse_policy(precision).compute_bytes
+    except PrecisionError as err:
+        raise UnknownNameError(str(err)) from None
 
 
 class _Dims(NamedTuple):

@@ -17,6 +17,7 @@ from ..layout import validate
 from .bridge import model_spec, runtime_layout
 from .hardware import Hardware, calibrate, get_hardware, hardware_for_gpu, load_calibration
 from .spec import ModelSpec
+from ..precision import PrecisionPolicy
 
 __all__ = ["choose_layout", "default_world_size", "machine_hardware", "run_hardware", "model_spec",
            "layout_from_spec"]
@@ -77,7 +78,7 @@ def choose_layout(
 
     world = world_size or default_world_size(config)
     hw = run_hardware(config, world, hardware)
-    precision = "bf16" if config.train.dtype == "bf16" else "fp32"
+    precision = PrecisionPolicy.from_train(config.train).name  # e.g. "bf16,params=fp32,reduce=fp32"
     spec = model_spec(config.model, config.train.seq_len)
     candidates = search(spec, gpus=world, hardware=hw, global_batch=config.train.global_batch, precision=precision,
                         top=8)

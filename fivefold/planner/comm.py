@@ -21,7 +21,8 @@ head repeated when t > kv (`fivefold.volumes.local_kv_heads`). Per axis:
   by t with SP) forward and of its input gradient backward; with tied embeddings and pp > 1
   one all-reduce of the word-embedding gradient between the first and last stage.
 * dp, over dp x cp ranks for non-expert and dp x cp / ep for expert parameters:
-  `volumes.dp_step_calls` for the bytes of the rank's gradients and parameters.
+  `volumes.dp_step_calls` for the bytes of the rank's gradients (in the precision
+  policy's reduction dtype) and parameters (in their own dtype; `fivefold.precision`).
 
 Full recomputation repeats each forward collective inside the recomputed layers.
 """
@@ -142,7 +143,11 @@ def pp_sends(m: ModelSpec, lay: LayoutSpec, ab: int, stage: int, tied_vocab_byte
 
 def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: float,
              ranks_dense: int, ranks_expert: int) -> list[Collective]:
-    """Data-parallel (ZeRO) collectives for ``dense`` and ``expert`` parameters held here."""
+    """Data-parallel (ZeRO) collectives for ``dense`` and ``expert`` parameters held here.
+
+    ``param_b``: bytes per parameter gathered (ZeRO-1/2/3); ``grad_b``: per gradient element
+    reduced (the precision policy's reduction dtype).
+    """
     out: list[Collective] = []
     span = lay.tp * lay.cp * lay.dp
     gathers = 3 if lay.recompute == "full" else 2

@@ -439,7 +439,7 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
              + cp_layers(m, lay, ab, n_layers * mbs) + ep_layers(m, lay, ab, n_moe * mbs)
              + pp_sends(m, lay, ab, s, tied))
-    dp = dp_grads(lay, sb.param, sb.grad, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep)
+    dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep)
     comm_time = {a: 0.0 for a in AXES}
     for c in inner + dp:
         comm_time[c.axis] += c.time(hw)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from ..precision import parse_policy
 from .errors import PlanError, UnknownNameError, choices
 
 GiB = 1 << 30
@@ -49,7 +50,7 @@ class Hardware:
 
     def peak(self, precision: str) -> float:
         """Dense peak for the precision's matmuls (bf16/fp16 tensor cores, or fp32)."""
-        return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops
+        return self.peak_flops_fp32 if parse_policy(precision).compute == "fp32" else self.peak_flops
 
     @property
     def usable_memory_bytes(self) -> int:

@@ -12,7 +12,9 @@ parameter. Per device, with N data-parallel ranks sharing the states:
 
 fp32 training derives the same way: 4-byte weights, 4-byte gradients and K = 8 (Adam's two
 fp32 moments; the weights are their own master copy). SGD with momentum keeps K = 4 + 4
-(master + momentum) in mixed precision and K = 4 in fp32.
+(master + momentum) in mixed precision and K = 4 in fp32. The rule is the runtime's
+(fivefold.precision): ``precision`` names a policy, e.g. "bf16" or, for bf16 autocast over
+fp32 weights as `train.dtype = "bf16"` alone runs, "bf16,params=fp32,reduce=fp32".
 """
 
 from __future__ import annotations
@@ -20,27 +22,29 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .errors import UnknownNameError, choices
-
-OPTIMIZERS = ("adam", "adamw", "sgd")
+from ..precision import PrecisionError, parse_policy
+from .errors import UnknownNameError
 
 
 class StateBytes(NamedTuple):
     param: int      # bytes per parameter of the working weights
     grad: int       # bytes per parameter of the gradient
     optimizer: int  # K: bytes per parameter of optimizer state (incl. master weights)
+    reduce_bytes: int | None = None  # per gradient element in data-parallel sums; None: grad
+
+    @property
+    def reduce(self) -> int:
+        return self.grad if self.reduce_bytes is None else self.reduce_bytes
 
 
 def state_bytes(precision: str, optimizer: str = "adam") -> StateBytes:
     """Bytes per parameter for weights, gradients and optimizer state (module docstring)."""
-    opt = optimizer.lower()
-    if opt not in OPTIMIZERS:
-        raise UnknownNameError(f"optimizer={optimizer!r} is unknown; use one of {choices(OPTIMIZERS)}")
-    if precision == "fp32":
-        return StateBytes(4, 4, 4 if opt == "sgd" else 8)
-    if precision in ("bf16", "fp16"):
-        return StateBytes(2, 2, 8 if opt == "sgd" else 12)
-    raise UnknownNameError(f"precision={precision!r} is unknown; use one of bf16, fp16, fp32")
+    try:
+        policy = parse_policy(precision)
+        return StateBytes(policy.param_bytes, policy.grad_bytes, policy.optimizer_bytes(optimizer),
+                          policy.reduce_bytes)
+    except PrecisionError as err:
+        raise UnknownNameError(str(err)) from None
 
 
 class ModelStates(NamedTuple):
