@@ -121,13 +121,16 @@ def materialize(model: nn.Module, config: ModelConfig, seed: int, device: torch.
     # to_empty replaces every parameter object (meta -> device), dropping attributes set on it.
     placements = {name: get_placement(tensor, name) for name, tensor in _local_tensors(model)}
     model.to_empty(device=device)
+    values = torch.device(device).type != "meta"  # a dry run keeps shapes only: no values to compute
     for name, tensor in _local_tensors(model):
         placement = placements[name]
         set_placement(tensor, placement)
+        if not values:
+            continue
         full = initial_value(canonical_name(placement.name, config), placement.global_shape, seed, config)
         tensor.copy_(placement.take(full))
     for name, buf in model.named_buffers():
-        if name.endswith(("tokens_per_expert", "dropped_slots")):
+        if values and name.endswith(("tokens_per_expert", "dropped_slots")):
             buf.zero_()
     return model
 
