@@ -96,7 +96,7 @@ class DryRunMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         packet = func.overloadpacket
-        special = self._special(packet, args, kwargs)
+        special = self._special(func, args, kwargs)
         if special is not _NOT_SPECIAL:
             return special
         out = func(*args, **kwargs)
@@ -106,7 +106,8 @@ class DryRunMode(TorchDispatchMode):
                     _set_value(arg, None)
         return self._propagate(packet, args, kwargs, out)
 
-    def _special(self, packet, args, kwargs):  # noqa: ANN001
+    def _special(self, func, args, kwargs):  # noqa: ANN001
+        packet = func.overloadpacket
         if packet is aten._local_scalar_dense:
             value = _value(args[0])
             dtype = args[0].dtype
