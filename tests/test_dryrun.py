@@ -11,7 +11,10 @@ few micro-batches per rank to keep the cases fast; the 405B case is the publishe
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from fivefold.activation_memory import activation_bytes_per_layer
 from fivefold.cli import config_from_args, main
@@ -149,3 +152,37 @@ def test_bad_rank_is_refused_before_building():
     config = config_from_args("llama3-8b", "dp=8", [])
     with pytest.raises(DryRunError, match="use --rank between 0 and 7"):
         dry_run(config, 8, [-1])
+
+
+# ----------------------------------------------------------------------------- shard initialisation
+
+
+def test_a_shard_initialises_alone_to_the_slice_of_the_full_tensor():
+    from fivefold.config import load_config
+    from fivefold.model.init import initial_value
+    from fivefold.parallel.sharding import Placement, Split, initial_shard
+
+    model = load_config("tiny").model
+    full = initial_value("layers.0.mlp.up.weight", (600, 300), 7, model)
+    for splits in [(Split(0, 2, 4),), (Split(1, 1, 3),), (Split(0, 1, 3), Split(1, 0, 2))]:
+        placement = Placement("layers.0.mlp.up.weight", (600, 300), splits)
+        assert torch.equal(initial_shard(placement, model, 7), placement.take(full))
+    # a vocabulary padded to a multiple of tp: the last rank's padding rows are zeros
+    padded = Placement("embed.weight", (601, 300), (Split(0, 3, 4),), padded_shape=(604, 300))
+    full = initial_value("embed.weight", (601, 300), 7, model)
+    assert torch.equal(initial_shard(padded, model, 7), padded.take(full))
+
+
+def test_shard_initialisation_draws_in_proportion_to_the_shard():
+    """A tp=8 row of Llama 3 405B's MLP (53248 x 16384): the tiles it draws hold its own
+    elements plus at most one partial tile along each cut edge, never the full tensor."""
+    from fivefold.model.init import tiles
+
+    shape, tp = (53248, 16384), 8
+    for rank in (0, 5):
+        offsets, box = (rank * shape[0] // tp, 0), (shape[0] // tp, shape[1])
+        drawn = sum(math.prod(extent) for _, _, extent in tiles(shape, offsets, box))
+        assert drawn == math.prod(box)  # 6656 rows: whole tiles
+    offsets, box = (0, 3 * 16384 // 7), (53248, 16384 // 7)  # a cut that tiles do not align with
+    drawn = sum(math.prod(extent) for _, _, extent in tiles(shape, offsets, box))
+    assert math.prod(box) < drawn <= math.prod(box) + 2 * 256 * 53248
