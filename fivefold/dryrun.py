@@ -5,8 +5,8 @@ builds one rank (or a few) of the layout in this process:
 
 - torch's fake process group stands in for the world: every collective returns at once,
   receives leave their buffers uninitialised, and no other process exists;
-- every tensor is a fake tensor (`FakeTensorMode`): it has a shape, a dtype and a storage
-  identity but no data, so nothing is computed and a 405B-parameter shard costs nothing;
+- every tensor lives on the meta device: it has a shape, a dtype and a storage identity but
+  no data, so nothing is computed and a 405B-parameter shard costs nothing;
 - the real `Mesh.build`, `parallelize` and `train.train_step` run unchanged: the pipeline
   rank walks its own list of the real schedule, the data-parallel/ZeRO optimizer builds its
   buckets and reduces them, comm.py counts the bytes of every collective from shapes and
@@ -19,7 +19,8 @@ and the wire bytes per axis. They are printed beside `planner.estimate` for the 
 
 Values that only data decide are assumed, as the planner assumes them: every expert receives
 the same number of token-slots (balanced routing, nothing dropped) and every scalar read
-back from a tensor (the loss, the gradient norm) is 0. `DryRunMode` supplies them.
+back from a tensor (the loss, the gradient norm) is 0. `DryRunMode` supplies them, and
+`FusedAttentionOnMeta` runs the attention kernel the CPU would run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import Config
+from .data import Sampler
 from .layout import LayoutError, rank_to_coords, validate
 from .memory import HeldMemory, held_memory
 from .planner import HARDWARE, Estimate, Hardware, LayoutSpec, estimate
@@ -83,7 +85,7 @@ _FILLED = {aten.ones_like: 1, aten.ones: 1, aten.zeros_like: 0, aten.zeros: 0}
 
 
 class DryRunMode(TorchDispatchMode):
-    """Supplies the values that data would decide, under `FakeTensorMode`, as the planner assumes.
+    """Supplies the values that data would decide, on meta tensors, as the planner assumes.
 
     A tensor may carry one assumed value shared by all its elements (`_VALUE`): set by fills,
     by `bincount` (each of E bins receives n / E of the n entries: balanced routing), kept by
@@ -180,12 +182,14 @@ class FusedAttentionOnMeta(TorchFunctionMode):
 def _cpu_picks_flash(args: tuple, kwargs: dict) -> bool:
     from torch.nn.attention import SDPBackend
 
-    def tiny(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else torch.empty((1,) * t.dim(), dtype=t.dtype)
+    def tiny(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty((1,) * t.dim(), dtype=t.dtype)
 
-    choice = torch._fused_sdp_choice(*(tiny(t) for t in args[:3]), attn_mask=tiny(kwargs.get("attn_mask")),
+    q, k, v = (tiny(t) for t in args[:3])
+    mask = kwargs.get("attn_mask")
+    choice = torch._fused_sdp_choice(q, k, v, None if mask is None else tiny(mask),
                                      is_causal=kwargs.get("is_causal", False))
-    return choice == int(SDPBackend.FLASH_ATTENTION)
+    return choice == SDPBackend.FLASH_ATTENTION.value
 
 
 def _balanced_bincount(x: torch.Tensor, minlength: int) -> torch.Tensor:
@@ -225,7 +229,7 @@ class _Saved:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The identity of a tensor's storage (data_ptr is 0 for every fake tensor)."""
+    """The identity of a tensor's storage (data_ptr is 0 for every meta tensor)."""
     return t.untyped_storage()._cdata
 
 
@@ -329,37 +333,35 @@ def _measure_after_step(model, held: list[HeldMemory]) -> None:  # noqa: ANN001
 
 
 def run_rank(config: Config, rank: int) -> RankResult:
-    """Build `rank` of `config`'s (validated) layout with fake tensors and run one training step."""
+    """Build `rank` of `config`'s (validated) layout on the meta device and run one training step."""
     from .mesh import Mesh
-
-    layout = config.layout
-    with fake_world(layout.world_size, rank):
-        start = time.perf_counter()
-        mesh = Mesh.build(layout)  # with real tensors: DeviceMesh keeps its rank grid in one
-        with DryRunMode(), FusedAttentionOnMeta():
-            return _run_step(config, mesh, start)
-
-
-def _run_step(config: Config, mesh, start: float) -> RankResult:  # noqa: ANN001
     from .train import build, train_step
 
-    if True:
-        model = build(config, mesh, torch.device("meta"))
-        built = time.perf_counter()
-        held: list[HeldMemory] = []
-        _measure_after_step(model, held)
-        saved = SavedActivations([p for chunk in model.chunks for p in chunk.parameters()])
-        mesh.stats.reset()
-        with saved.hooks():
-            train_step(model, _FakeSampler(config), 0)
-        comm: dict[str, int] = {}
-        for (axis, _op), nbytes in mesh.stats.wire.items():
-            if axis in PLANNER_AXIS:
-                comm[PLANNER_AXIS[axis]] = comm.get(PLANNER_AXIS[axis], 0) + nbytes
+    with fake_world(config.layout.world_size, rank):
+        start = time.perf_counter()
+        mesh = Mesh.build(config.layout)  # outside the modes: DeviceMesh keeps its rank grid in a real tensor
+        with DryRunMode(), FusedAttentionOnMeta():
+            model = build(config, mesh, torch.device("meta"))
+            built = time.perf_counter()
+            held: list[HeldMemory] = []
+            _measure_after_step(model, held)
+            saved = SavedActivations([p for chunk in model.chunks for p in chunk.parameters()])
+            mesh.stats.reset()
+            with saved.hooks():
+                train_step(model, cast(Sampler, _FakeSampler(config)), 0)  # it only asks for batches
+        comm = _bytes_per_planner_axis(mesh.stats.wire)
         return RankResult(
             mesh.rank, mesh.pp.rank, held[0].without_padding(), saved.peak, comm, built - start,
             time.perf_counter() - built,
         )
+
+
+def _bytes_per_planner_axis(wire: dict[tuple[str, str], int]) -> dict[str, int]:
+    comm: dict[str, int] = {}
+    for (axis, _op), nbytes in wire.items():
+        if axis in PLANNER_AXIS:
+            comm[PLANNER_AXIS[axis]] = comm.get(PLANNER_AXIS[axis], 0) + nbytes
+    return comm
 
 
 # ----------------------------------------------------------------------------- the planner's side
@@ -535,7 +537,7 @@ class DryRun:
 
 def dry_run(config: Config, world_size: int | None = None, ranks: list[int] | None = None,
             hardware: str = "H100-80GB") -> DryRun:
-    """Validate, build each rank with fake tensors, run one step, and estimate the same layout."""
+    """Validate, build each rank on the meta device, run one step, and estimate the same layout."""
     hw = resolve_hardware(hardware)
     config, note = without_autocast(config)
     config, ranks = prepare(config, world_size, ranks)
