@@ -497,6 +497,14 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _format_difference(row: Row) -> str:
+    if row.difference is None:
+        return ""
+    if row.tolerance == 0.0 and row.planned is not None and 0 < abs(row.measured - row.planned) < 1 << 20:
+        return f"{row.measured - row.planned:+d} B"  # an exact row off by bookkeeping bytes
+    return f"{row.difference * 100:+.2f}%"
+
+
 def render(rows: list[Row], result: RankResult, config: Config, hardware: Hardware) -> str:
     layout = config.layout
     coords = rank_to_coords(result.rank, layout)
@@ -507,8 +515,8 @@ def render(rows: list[Row], result: RankResult, config: Config, hardware: Hardwa
     ]
     for row in rows:
         planned = format_bytes(row.planned) if row.planned is not None else "-"
-        diff = f"{row.difference * 100:+.2f}%" if row.difference is not None else ""
-        flag = "" if row.ok else "  <- outside " + f"{row.tolerance:.0%}"
+        diff = _format_difference(row)
+        flag = "" if row.ok else ("  <- not exact" if row.tolerance == 0 else f"  <- outside {row.tolerance:.0%}")
         lines.append(f"{row.label:<20}{format_bytes(row.measured):>14}{planned:>14}{diff:>10}{flag}")
     capacity = hardware.memory_bytes
     verdict = "fits" if result.peak <= hardware.usable_memory_bytes else "does NOT fit"
