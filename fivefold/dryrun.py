@@ -43,8 +43,9 @@ from .config import Config
 from .data import Sampler
 from .layout import LayoutError, rank_to_coords, validate
 from .memory import HeldMemory, held_memory
-from .planner import HARDWARE, Estimate, Hardware, LayoutSpec, estimate
+from .planner import HARDWARE, Hardware, LayoutSpec
 from .planner.auto import model_spec
+from .planner.stages import StagePlan, stage_plans
 
 # comm.py's axes as the planner names them ("world" carries loss reporting and the global
 # gradient norm, which the planner leaves out; pp_ends carries the tied-embedding gradient,
@@ -397,9 +398,10 @@ def layout_spec(config: Config) -> LayoutSpec:
     )
 
 
-def plan(config: Config, hardware: Hardware) -> Estimate:
+def plan(config: Config, hardware: Hardware) -> list[StagePlan]:
+    """The planner's memory and traffic for one device of every pipeline stage of the layout."""
     spec = model_spec(config.model, config.train.seq_len)
-    return estimate(spec, layout_spec(config), hardware=hardware, precision=planner_precision(config))
+    return stage_plans(spec, layout_spec(config), hardware=hardware, precision=planner_precision(config))
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -475,9 +477,8 @@ class Row:
         return self.tolerance is None or self.difference is None or abs(self.difference) <= self.tolerance
 
 
-def compare(result: RankResult, plan_: Estimate, config: Config) -> list[Row]:
+def compare(result: RankResult, stage: StagePlan) -> list[Row]:
     """Side-by-side rows of one rank against the planner's numbers for its pipeline stage."""
-    stage = plan_.stages[result.stage]
     rows = [
         Row("parameters", result.held["params"], stage.memory.params, 0.01),
         Row("gradients", result.held["grads"], stage.memory.grads, 0.01),
@@ -531,12 +532,12 @@ def render(rows: list[Row], result: RankResult, config: Config, hardware: Hardwa
 class DryRun:
     config: Config
     hardware: Hardware
-    plan: Estimate
+    plan: list[StagePlan]
     results: list[RankResult]
     note: str = ""
 
     def rows(self, result: RankResult) -> list[Row]:
-        return compare(result, self.plan, self.config)
+        return compare(result, self.plan[result.stage])
 
     def render(self) -> str:
         tables = [render(self.rows(r), r, self.config, self.hardware) for r in self.results]

@@ -93,19 +93,10 @@ class Estimate:
     fits: bool
     stage_memory: tuple = field(default=())  # total bytes of every stage
     collectives: tuple = field(default=(), repr=False)  # Collective records, busiest stage per axis
-    stages: tuple = field(default=(), repr=False)  # a StagePlan per pipeline stage
 
     @property
     def num_micro_batches(self) -> int:
         return self.layout.num_micro_batches
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """One pipeline stage's device: its memory and the bytes it sends per axis in a step."""
-
-    memory: MemoryBreakdown
-    comm_bytes: dict
 
 
 @dataclass(frozen=True)
@@ -438,5 +429,4 @@ def _combine(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimi
         hardware_tflops_per_device=hflops / step / lay.world / 1e12,
         mfu=mflops / step / peak, hfu=hflops / step / peak,
         fits=worst.total <= hw.usable_memory_bytes,
-        stage_memory=tuple(mem.total for mem in memories), collectives=tuple(colls),
-        stages=tuple(StagePlan(mem, dict(t.volumes)) for mem, t in zip(memories, times)))
+        stage_memory=tuple(mem.total for mem in memories), collectives=tuple(colls))
