@@ -15,7 +15,8 @@ builds one rank (or a few) of the layout in this process:
 Measured, per rank: parameter, gradient and optimizer bytes by storage (`memory.held_memory`,
 right after the optimizer step, when all three are alive), the peak of the bytes saved for
 backward (saved-tensor hooks, each storage counted once while any autograd node holds it),
-and the wire bytes per axis. They are printed beside `planner.estimate` for the same layout.
+and the wire bytes per axis of the step up to and including the optimizer update (what the
+loop then sends to report the loss and MoE statistics is left out, as the planner leaves it). They are printed beside `planner.estimate` for the same layout.
 
 Values that only data decide are assumed, as the planner assumes them: every expert receives
 the same number of token-slots (balanced routing, nothing dropped) and every scalar read
@@ -321,14 +322,19 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _measure_after_step(model, held: list[HeldMemory]) -> None:  # noqa: ANN001
-    """Read held memory right after the optimizer step: parameters, reduced gradients and the
-    optimizer state are all alive then (zero_grad may drop gradients afterwards)."""
+def _measure_after_step(model, held: list[HeldMemory], wire: list[dict]) -> None:  # noqa: ANN001
+    """Read held memory and the bytes sent so far right after the optimizer step.
+
+    Parameters, reduced gradients and the optimizer state are all alive then (zero_grad may
+    drop gradients afterwards), and the step's traffic is complete: what follows only reports
+    (the loss over the world, MoE load statistics), which the planner leaves out.
+    """
     step = model.optimizer.step
 
     def step_then_measure(lr: float) -> None:
         step(lr)
         held.append(held_memory(model.chunks, model.optimizer))
+        wire.append(dict(model.mesh.stats.wire))
 
     model.optimizer.step = step_then_measure
 
@@ -345,12 +351,13 @@ def run_rank(config: Config, rank: int) -> RankResult:
             model = build(config, mesh, torch.device("meta"))
             built = time.perf_counter()
             held: list[HeldMemory] = []
-            _measure_after_step(model, held)
+            wire: list[dict] = []
+            _measure_after_step(model, held, wire)
             saved = SavedActivations([p for chunk in model.chunks for p in chunk.parameters()])
             mesh.stats.reset()
             with saved.hooks():
                 train_step(model, cast(Sampler, _FakeSampler(config)), 0)  # it only asks for batches
-        comm = _bytes_per_planner_axis(mesh.stats.wire)
+        comm = _bytes_per_planner_axis(wire[0])
         return RankResult(
             mesh.rank, mesh.pp.rank, held[0].without_padding(), saved.peak, comm, built - start,
             time.perf_counter() - built,
