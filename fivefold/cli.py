@@ -154,6 +154,13 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str], argv: list[str])
     return run_convert_cli(argv[1:])
 
 
+def cmd_dryrun(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from .dryrun import run_dryrun_cli
+
+    config = config_from_args(args.config, args.layout, overrides)
+    return run_dryrun_cli(config, args.world_size, args.rank, args.hardware)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fivefold",
@@ -190,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--layout", required=True, help='e.g. "dp=2,tp=2,pp=2"')
     parity.add_argument("--steps", type=int, default=3)
     parity.set_defaults(func=cmd_parity)
+
+    dry = sub.add_parser(
+        "dryrun", help="build ranks of a real-size layout on this CPU with fake tensors; compare with the planner"
+    )
+    dry.add_argument("--config", default="llama3-8b", help="preset name or TOML path (default: llama3-8b)")
+    dry.add_argument("--layout", required=True, help='e.g. "tp=8,pp=16,dp=128"')
+    dry.add_argument("--world-size", type=int, default=None, help="ranks of the layout (checked against it)")
+    dry.add_argument("--rank", type=int, action="append", default=None, help="rank to build (repeatable; default 0)")
+    dry.add_argument("--hardware", default="H100-80GB", help="device whose memory the peak is held against")
+    dry.set_defaults(func=cmd_dryrun)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks against peers", add_help=False)
     bench.set_defaults(func=cmd_bench)

@@ -50,7 +50,7 @@ def _storage_bytes(tensors: list[torch.Tensor | None], seen: set[int]) -> int:
         if t is None:
             continue
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage._cdata  # the storage itself: data_ptr is 0 for every meta tensor (dry runs)
         if storage.nbytes() == 0 or key in seen:
             continue
         seen.add(key)

@@ -188,7 +188,7 @@ def test_resume_same_layout_is_bitwise(dense_run, tmp_path):
 
 
 def test_resume_moe_with_tied_embeddings_is_bitwise(tmp_path):
-    config = small_config("tiny-moe", "train.steps=2", "checkpoint.interval=1", "model.tied_embeddings=true",
+    config = small_config("tiny-moe", "train.steps=3", "checkpoint.interval=1", "model.tied_embeddings=true",
                           "model.num_experts=4", "model.layers=1",
                           "model.router=sigmoid", "model.bias_update_rate=0.01")
     straight = tmp_path / "straight"

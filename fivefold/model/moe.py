@@ -99,13 +99,13 @@ def grouped_mm_supported(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs for these tensors: it needs rows aligned to 16 bytes, and
     on CUDA bf16 (the CPU path takes fp32). Autocast regions keep the per-expert loop, whose
     matmuls autocast handles."""
+    if tokens.device.type not in ("cpu", "cuda"):  # before asking autocast, which knows no other devices
+        return False
     if not hasattr(torch, "_grouped_mm") or torch.is_autocast_enabled(tokens.device.type):
         return False
     if tokens.dtype != weight.dtype:
         return False
     if tokens.device.type == "cuda" and tokens.dtype != torch.bfloat16:
-        return False
-    if tokens.device.type not in ("cpu", "cuda"):
         return False
     align = 16 // tokens.element_size()
     return weight.shape[1] % align == 0 and weight.shape[2] % align == 0

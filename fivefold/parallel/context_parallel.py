@@ -23,6 +23,8 @@ each rank's loss is its own tokens' CE sum over the tokens of the global batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Callable
 
@@ -224,6 +226,13 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast disabled; a no-op on devices autocast does not know (the meta device of dry runs)."""
+    if device_type in ("cpu", "cuda"):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal ring attention over zigzag chunks; q (B, Hq, T, d), k, v (B, Hkv, T, d) local."""
 
@@ -231,7 +240,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, axis: Axis):
         dtype = _compute_dtype(q)
         q32, kv = q.to(dtype), torch.cat([k, v], dim=1).to(dtype).contiguous()  # (B, 2Hkv, T, d)
-        with torch.autocast(q.device.type, enabled=False):
+        with _autocast_off(q.device.type):
             out, lse = _ring_forward(q32, kv, axis)
         ctx.axis = axis
         ctx.save_for_backward(q32, kv, out, lse)
@@ -240,7 +249,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, kv, out, lse = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):
+        with _autocast_off(q.device.type):
             dq, dkv = _ring_backward(q, kv, out, lse, grad_out.to(q.dtype), ctx.axis)
         Hkv = kv.shape[1] // 2
         dk, dv = dkv.split(Hkv, dim=1)

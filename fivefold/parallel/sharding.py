@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..config import ModelConfig
 from ..mesh import Mesh
-from ..model.init import canonical_name, initial_value
+from ..model.init import canonical_name, initial_box
 from . import comm
 
 _ATTR = "_fivefold_placement"
@@ -115,21 +115,37 @@ def _local_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def materialize(model: nn.Module, config: ModelConfig, seed: int, device: torch.device | str = "cpu") -> nn.Module:
     """Allocate a (meta-built, possibly sharded) model on `device` with its deterministic values.
 
-    Each local tensor receives its slice of the full initial value, so every layout starts
-    from the weights of the single-process model.
+    Each local tensor receives its slice of the full initial value, computed alone (its cost
+    is the shard's, not the full tensor's), so every layout starts from the weights of the
+    single-process model.
     """
     # to_empty replaces every parameter object (meta -> device), dropping attributes set on it.
     placements = {name: get_placement(tensor, name) for name, tensor in _local_tensors(model)}
     model.to_empty(device=device)
+    values = torch.device(device).type != "meta"  # a dry run keeps shapes only: no values to compute
     for name, tensor in _local_tensors(model):
         placement = placements[name]
         set_placement(tensor, placement)
-        full = initial_value(canonical_name(placement.name, config), placement.global_shape, seed, config)
-        tensor.copy_(placement.take(full))
+        if values:
+            tensor.copy_(initial_shard(placement, config, seed))
     for name, buf in model.named_buffers():
-        if name.endswith(("tokens_per_expert", "dropped_slots")):
+        if values and name.endswith(("tokens_per_expert", "dropped_slots")):
             buf.zero_()
     return model
+
+
+def initial_shard(placement: Placement, config: ModelConfig, seed: int) -> torch.Tensor:
+    """This shard of the full initial value, computed alone (zeros where the box pads the tensor)."""
+    offsets, shape = placement.box()
+    inside = tuple(max(0, min(n, g - o)) for o, n, g in zip(offsets, shape, placement.global_shape))
+    if inside == tuple(shape):
+        return initial_box(canonical_name(placement.name, config), placement.global_shape, offsets, shape, seed, config)
+    out = torch.zeros(shape)
+    if all(inside):
+        out[tuple(slice(0, n) for n in inside)] = initial_box(
+            canonical_name(placement.name, config), placement.global_shape, offsets, inside, seed, config
+        )
+    return out
 
 
 @torch.no_grad()
