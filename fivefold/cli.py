@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from .cluster import adopt_slurm_environment, where_prefix
 from .config import Config, ConfigError, load_config, preset_names
 from .layout import LayoutError, parse_layout_string, validate
 
@@ -60,6 +61,7 @@ def relaunch_under_torchrun(world_size: int, argv: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    adopt_slurm_environment()  # srun tasks join one job like torchrun's workers
     config = config_from_args(args.config, args.layout, overrides)
     if args.run_dir:
         config = config.replace(train=_replace(config.train, run_dir=args.run_dir))
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return args.func(args, overrides, argv)
     except (ConfigError, LayoutError, CliError, ValueError, FileNotFoundError) as err:
-        print(f"fivefold: error: {err}", file=sys.stderr)
+        print(f"fivefold: error: {where_prefix()}{err}", file=sys.stderr)
         return 2
 
 
