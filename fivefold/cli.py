@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from .cluster import adopt_slurm_environment, where_prefix
+from .cluster import adopt_slurm_environment, job_world_size, where_prefix
 from .config import Config, ConfigError, load_config, preset_names
 from .layout import LayoutError, parse_layout_string, validate
 
@@ -68,7 +68,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if args.resume:
         config = config.replace(checkpoint=_replace(config.checkpoint, resume=True))
     if args.layout == "auto":
-        config = choose_layout_automatically(config, args.world_size)
+        config = choose_layout_automatically(config, args.world_size or job_world_size())
     config = validate(config)  # before any process starts
     under_torchrun = "RANK" in os.environ
     if config.layout.world_size > 1 and not under_torchrun:

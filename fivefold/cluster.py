@@ -65,6 +65,11 @@ def where_prefix(environ: Mapping[str, str] = os.environ) -> str:
     return process_identity(environ).describe() + ": "
 
 
+def job_world_size(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The number of processes of the job this process belongs to (torchrun or srun), if any."""
+    return int(environ["WORLD_SIZE"]) if "RANK" in environ and "WORLD_SIZE" in environ else None
+
+
 # ------------------------------------------------------------------------------------- Slurm
 
 
@@ -97,7 +102,8 @@ def slurm_environment(environ: Mapping[str, str]) -> dict[str, str]:
             "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)"
         )
     node = int(environ["SLURM_NODEID"])
-    local_world = tasks_on_node(environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE", "1")), node)
+    counts = environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE", "1"))
+    local_world = tasks_on_node(counts, node)
     return {
         "RANK": environ["SLURM_PROCID"],
         "WORLD_SIZE": str(tasks),
@@ -131,14 +137,22 @@ def check_tp_within_node(layout: Layout, environ: Mapping[str, str] = os.environ
     )
 
 
-def config_fingerprint(config: Config) -> str:
+def job_settings(config: Config) -> dict[str, Any]:
+    """What every node of one job must agree on: the config and the versions that run it."""
+    import torch
+
     from . import __version__
 
-    text = json.dumps({"config": config.to_dict(), "fivefold": __version__}, sort_keys=True, default=str)
+    return {**config.to_dict(), "versions": {"fivefold": __version__, "torch": torch.__version__}}
+
+
+def fingerprint(settings: Mapping[str, Any]) -> str:
+    text = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 0.01}} -> {"train.lr": 0.01}."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, Mapping):
@@ -148,18 +162,20 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def config_differences(reference: Mapping[str, Any], other: Mapping[str, Any]) -> list[str]:
+def differences(reference: Mapping[str, Any], other: Mapping[str, Any]) -> list[str]:
     ours, theirs = flatten(reference), flatten(other)
-    return [f"{k}: {ours.get(k)!r} vs {theirs.get(k)!r}" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+    keys = sorted(set(ours) | set(theirs))
+    return [f"{k}: {ours.get(k)!r} vs {theirs.get(k)!r}" for k in keys if ours.get(k) != theirs.get(k)]
 
 
 def job_start_record(config: Config) -> dict[str, Any]:
     """What each process tells the others at job start."""
-    return {"identity": asdict(process_identity()), "fingerprint": config_fingerprint(config), "config": config.to_dict()}
+    settings = job_settings(config)
+    return {"identity": asdict(process_identity()), "fingerprint": fingerprint(settings), "settings": settings}
 
 
 def mismatch_error(records: list[dict[str, Any]]) -> ClusterError | None:
-    """An error naming the hosts whose config differs from rank 0's, or None if all agree."""
+    """An error naming the hosts whose settings differ from rank 0's, and how; None if all agree."""
     first = records[0]
     odd = [r for r in records if r["fingerprint"] != first["fingerprint"]]
     if not odd:
@@ -168,10 +184,10 @@ def mismatch_error(records: list[dict[str, Any]]) -> ClusterError | None:
     for r in odd:
         by_host.setdefault(r["identity"]["host"], []).append(r["identity"]["rank"])
     hosts = "; ".join(f"host {h} (ranks {', '.join(map(str, ranks))})" for h, ranks in by_host.items())
-    differences = config_differences(first["config"], odd[0]["config"]) or ["fivefold version"]
+    what = "; ".join(differences(first["settings"], odd[0]["settings"])[:8])
     return ClusterError(
         f"nodes were started with different configs: {hosts} differ from host {first['identity']['host']} "
-        f"(rank 0) in {'; '.join(differences[:8])}. Start every node with the same command, config and fivefold version"
+        f"(rank 0) in {what}. Start every node with the same command, config and versions of fivefold and torch"
     )
 
 

@@ -36,6 +36,9 @@ from fivefold.checkpoint import MANIFEST, checkpoint_root, list_checkpoints
 from fivefold.cluster import (
     ClusterError,
     check_tp_within_node,
+    fingerprint,
+    job_settings,
+    job_world_size,
     mismatch_error,
     slurm_environment,
     tasks_on_node,
@@ -104,7 +107,7 @@ def _remove_hosts(tag: str, hosts: list[Host]) -> None:
 
 
 @pytest.fixture(scope="module")
-def hosts():
+def two_hosts():
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
         pytest.skip("two-host tests need root, iproute2's `ip` and util-linux's `unshare` to make network namespaces")
     tag = uuid.uuid4().hex[:6]
@@ -117,6 +120,14 @@ def hosts():
         yield made
     finally:
         _remove_hosts(tag, made)
+
+
+@pytest.fixture
+def hosts(two_hosts):
+    """The two hosts, with every process a test started on them killed when it ends (pass or fail)."""
+    yield two_hosts
+    for host in two_hosts:
+        _kill_namespace(host)
 
 
 def _env(host: Host, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -273,7 +284,8 @@ def test_world_size_the_layout_does_not_match_is_refused_naming_the_host(tmp_pat
     """One srun task of two, with a layout of four: refused before any connection is tried."""
     env = dict(os.environ, SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0",
                SLURM_STEP_TASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1")
-    command = [sys.executable, "-m", "fivefold.cli", "train", *TRAIN, "--layout", "dp=2,tp=2", "--run-dir", str(tmp_path)]
+    command = [sys.executable, "-m", "fivefold.cli", "train", *TRAIN, "--layout", "dp=2,tp=2",
+               "--run-dir", str(tmp_path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert result.returncode == 2
     host = socket.gethostname()
@@ -294,6 +306,8 @@ def test_slurm_environment_maps_srun_tasks_to_torch_variables():
     with pytest.raises(ClusterError, match="MASTER_ADDR"):
         slurm_environment({k: v for k, v in env.items() if k != "MASTER_ADDR"})
     assert tasks_on_node("4(x3),2", 3) == 2
+    assert job_world_size({"RANK": "3", "WORLD_SIZE": "6"}) == 6  # --layout auto plans for the job's world
+    assert job_world_size({}) is None
 
 
 def test_tensor_parallel_groups_must_stay_inside_a_node():
@@ -307,14 +321,16 @@ def test_tensor_parallel_groups_must_stay_inside_a_node():
 
 
 def test_config_mismatch_names_the_hosts_and_keys():
-    def record(host: str, rank: int, lr: float) -> dict:
-        config = load_config("tiny", [f"train.lr={lr}"])
-        from fivefold.cluster import config_fingerprint
-
+    def record(host: str, rank: int, lr: float, torch_version: str = torch.__version__) -> dict:
+        settings = job_settings(load_config("tiny", [f"train.lr={lr}"]))
+        settings["versions"]["torch"] = torch_version
         identity = {"host": host, "rank": rank, "local_rank": rank % 2, "node": rank // 2, "pid": 1}
-        return {"identity": identity, "fingerprint": config_fingerprint(config), "config": config.to_dict()}
+        return {"identity": identity, "fingerprint": fingerprint(settings), "settings": settings}
 
     same = [record("a", 0, 0.01), record("a", 1, 0.01)]
     assert mismatch_error(same) is None
     error = mismatch_error(same + [record("b", 2, 0.03), record("b", 3, 0.03)])
-    assert "host b (ranks 2, 3) differ from host a (rank 0) in train.lr: 0.01 vs 0.03" in str(error)
+    assert "host b (ranks 2, 3) differ from host a (rank 0) in train.lr: 0.01 vs 0.03." in str(error)
+    error = mismatch_error(same + [record("c", 2, 0.01, "2.0.0")])
+    expected = f"host c (ranks 2) differ from host a (rank 0) in versions.torch: {torch.__version__!r} vs '2.0.0'"
+    assert expected in str(error)
