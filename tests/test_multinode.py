@@ -203,18 +203,30 @@ def test_two_hosts_train_like_one_process(hosts, tmp_path, reference):
     assert "4 processes on 2 nodes: node 0 = " in logs
 
 
-def _tcp_peers(host: Host) -> set[str]:
-    """Remote IPv4 addresses of established TCP connections in the host's namespace."""
+def _endpoint(hex_endpoint: str) -> tuple[str, int]:
+    address, port = hex_endpoint.split(":")
+    return ".".join(str(b) for b in bytes.fromhex(address)[::-1]), int(port, 16)
+
+
+def _tcp_sockets(host: Host) -> list[tuple[tuple[str, int], tuple[str, int], str]]:
+    """(local, remote, state) of the IPv4 TCP sockets in the host's namespace (state 0A: listening)."""
     out = subprocess.run(["ip", "netns", "exec", host.namespace, "cat", "/proc/net/tcp"],
                          capture_output=True, text=True, timeout=30).stdout.splitlines()[1:]
-    peers = set()
-    for line in out:
-        fields = line.split()
-        remote, state = fields[2], fields[3]
-        if state == "01":  # ESTABLISHED
-            raw = bytes.fromhex(remote.split(":")[0])[::-1]
-            peers.add(".".join(str(b) for b in raw))
-    return peers
+    rows = (line.split()[1:4] for line in out)
+    return [(_endpoint(local), _endpoint(remote), state) for local, remote, state in rows]
+
+
+def _gloo_pairs_between(survivor: Host, lost: Host) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """Established connections between the hosts to a listener bound to a veth address.
+
+    Gloo listens on the address of GLOO_SOCKET_IFNAME's interface; torch's stores listen on
+    every address (0.0.0.0 / ::), so these connections are gloo's pairs.
+    """
+    sockets = {h: _tcp_sockets(h) for h in (survivor, lost)}
+    veth_listeners = {local for socks in sockets.values() for local, _, state in socks
+                      if state == "0A" and local[0] in (survivor.address, lost.address)}
+    return [(local, remote) for local, remote, state in sockets[survivor]
+            if state == "01" and remote[0] == lost.address and (local in veth_listeners or remote in veth_listeners)]
 
 
 def _wait_for_checkpoint(run_dir: Path, step: int, procs: list[subprocess.Popen]) -> None:
@@ -232,7 +244,7 @@ def test_lost_node_resumes_on_survivor_with_replanned_layout(hosts, tmp_path, re
     procs = _start_two_nodes(hosts, run_dir, tmp_path)
     _wait_for_checkpoint(run_dir, 2, procs)
     _kill_namespace(lost, signal.SIGSTOP)  # freeze node-b at once: every step waits for it
-    assert lost.address in _tcp_peers(survivor)  # the nodes talk over the veth pair
+    assert _gloo_pairs_between(survivor, lost)  # gloo bound the veth addresses and talks over them
     _kill_namespace(lost)
     _wait(procs[1], tmp_path / "node-b.log", timeout=30)
     try:  # node-a's workers fail on the broken connections; bound the wait all the same
