@@ -332,6 +332,24 @@ def test_tensor_parallel_groups_must_stay_inside_a_node():
         check_tp_within_node(Layout(dp=3, tp=2), {"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3"})
 
 
+def test_kubernetes_example_is_a_valid_job():
+    """examples/pytorchjob.yaml: its command is a fivefold config whose layout fills the job."""
+    yaml = pytest.importorskip("yaml")
+    from fivefold.cli import build_parser, config_from_args, split_dotted
+    from fivefold.layout import validate
+
+    job = yaml.safe_load((Path(__file__).parents[1] / "examples" / "pytorchjob.yaml").read_text())
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    command = worker["template"]["spec"]["containers"][0]["command"]
+    assert command[:4] == ["torchrun", "-m", "fivefold.cli", "train"]
+    rest, overrides = split_dotted(command[3:])
+    args = build_parser().parse_args(rest)
+    world = worker["replicas"] * int(job["spec"]["nprocPerNode"])
+    config = validate(config_from_args(args.config, args.layout, overrides), world)
+    assert args.resume and args.run_dir.startswith("/runs/")  # a restarted pod continues from the shared volume
+    check_tp_within_node(config.layout, {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": job["spec"]["nprocPerNode"]})
+
+
 def test_config_mismatch_names_the_hosts_and_keys():
     def record(host: str, rank: int, lr: float, torch_version: str = torch.__version__) -> dict:
         settings = job_settings(load_config("tiny", [f"train.lr={lr}"]))
