@@ -196,7 +196,7 @@ def check_same_job(config: Config) -> None:
 
     Called once the default process group exists and before the mesh's groups are built
     (nodes with other layouts would otherwise wait forever for each other's groups). Rank 0
-    then logs which host runs which ranks.
+    of a multi-node job then logs which host runs which ranks.
     """
     import torch.distributed as dist
 
@@ -206,8 +206,9 @@ def check_same_job(config: Config) -> None:
     error = mismatch_error(records)
     if error is not None:
         raise error
-    if dist.get_rank() == 0:
-        print(f"{len(records)} processes on {describe_nodes([r['identity'] for r in records])}")
+    identities = [r["identity"] for r in records]
+    if dist.get_rank() == 0 and len({i["node"] for i in identities}) > 1:
+        print(f"{len(records)} processes on {describe_nodes(identities)}")
 
 
 def describe_nodes(identities: list[dict[str, Any]]) -> str:
