@@ -47,11 +47,13 @@ from fivefold.config import Layout, load_config
 from fivefold.parity import TrainTrace, assert_parity
 
 RDZV_PORT = 29400  # free in a fresh namespace
-JOB_TIMEOUT_S = 240  # bound for one job on a loaded machine; about 15 s on a quiet one
+JOB_TIMEOUT_S = 240  # bound for one job on a heavily loaded 2-core machine (seconds of work on a quiet one)
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # Rendezvous gives up within bounded time when a node never comes (default: 10 minutes).
 RDZV_CONF = "join_timeout=120,read_timeout=60"
 TRAIN = ["--config", "tiny", "--train.steps", "6", "--checkpoint.interval", "2"]
+LAUNCHER_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT"}
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,11 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
-def _create_hosts(tag: str) -> list[Host]:
-    hosts = [Host(f"ff{tag}{i}", f"node-{c}", f"10.77.0.{i + 1}", f"ff{tag}v{i}") for i, c in enumerate("ab")]
+def _hosts_named(tag: str) -> list[Host]:
+    return [Host(f"ff{tag}{i}", f"node-{c}", f"10.77.0.{i + 1}", f"ff{tag}v{i}") for i, c in enumerate("ab")]
+
+
+def _create_hosts(hosts: list[Host]) -> None:
     a, b = hosts
     steps = [("netns", "add", a.namespace), ("netns", "add", b.namespace),
              ("link", "add", a.interface, "type", "veth", "peer", "name", b.interface)]
@@ -86,7 +91,6 @@ def _create_hosts(tag: str) -> list[Host]:
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(f"127.0.0.1 localhost\n::1 localhost\n{names}")
         (etc / "resolv.conf").write_text("")  # no DNS: lookups of unknown names fail at once
-    return hosts
 
 
 def _kill_namespace(host: Host, sig: int = signal.SIGKILL) -> list[int]:
@@ -99,10 +103,11 @@ def _kill_namespace(host: Host, sig: int = signal.SIGKILL) -> list[int]:
     return pids
 
 
-def _remove_hosts(tag: str, hosts: list[Host]) -> None:
+def _remove_hosts(hosts: list[Host]) -> None:
     for h in hosts:
         _kill_namespace(h)
-        _ip("netns", "delete", h.namespace)  # also removes the veth pair
+        _ip("netns", "delete", h.namespace)  # with the veth end inside it, and so the pair
+        _ip("link", "delete", h.interface)  # a pair never moved into a namespace (failed setup)
         shutil.rmtree(Path("/etc/netns") / h.namespace, ignore_errors=True)
 
 
@@ -110,16 +115,16 @@ def _remove_hosts(tag: str, hosts: list[Host]) -> None:
 def two_hosts():
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
         pytest.skip("two-host tests need root, iproute2's `ip` and util-linux's `unshare` to make network namespaces")
-    tag = uuid.uuid4().hex[:6]
+    made = _hosts_named(uuid.uuid4().hex[:6])
     try:
-        made = _create_hosts(tag)
+        _create_hosts(made)
     except (RuntimeError, OSError) as err:
-        _remove_hosts(tag, [Host(f"ff{tag}{i}", "", "", "") for i in range(2)])
+        _remove_hosts(made)
         pytest.skip(f"cannot make network namespaces here: {err}")
     try:
         yield made
     finally:
-        _remove_hosts(tag, made)
+        _remove_hosts(made)
 
 
 @pytest.fixture
@@ -130,10 +135,14 @@ def hosts(two_hosts):
         _kill_namespace(host)
 
 
+def _clean_environment() -> dict[str, str]:
+    """This machine's environment without the launcher variables of any job the tests run inside."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_")) and k not in LAUNCHER_VARIABLES}
+
+
 def _env(host: Host, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=host.interface, OMP_NUM_THREADS="1", **(extra or {}))
-    env.pop("WORLD_SIZE", None), env.pop("RANK", None)
-    return env
+    return dict(_clean_environment(), GLOO_SOCKET_IFNAME=host.interface, OMP_NUM_THREADS="1", **(extra or {}))
 
 
 def _start_on(host: Host, command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -143,13 +152,13 @@ def _start_on(host: Host, command: list[str], log: Path, env: dict[str, str]) ->
     return subprocess.Popen(wrapped, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=log.parent)
 
 
-def torchrun_node(host: Host, rdzv_host: Host, run_dir: Path, extra: list[str], log: Path) -> subprocess.Popen:
+def torchrun_node(host: Host, rdzv_host: Host, run_dir: Path, log: Path) -> subprocess.Popen:
     """The README's per-node command: torchrun with c10d rendezvous on node-a."""
     command = [
         TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{rdzv_host.address}:{RDZV_PORT}", "--rdzv-id", "job1",
         "--rdzv-conf", RDZV_CONF, "--local-addr", host.address,
-        "-m", "fivefold.cli", "train", *TRAIN, "--layout", "dp=2,tp=2", "--run-dir", str(run_dir), *extra,
+        "-m", "fivefold.cli", "train", *TRAIN, "--layout", "dp=2,tp=2", "--run-dir", str(run_dir),
     ]
     return _start_on(host, command, log, _env(host))
 
@@ -185,8 +194,8 @@ def _trace_of(run_dir: Path, first_step: int) -> TrainTrace:
     return TrainTrace([by_step[s] for s in sorted(by_step) if s >= first_step], [], [], params=_final_weights(run_dir))
 
 
-def _start_two_nodes(hosts: list[Host], run_dir: Path, tmp: Path, extra: list[str] = ()) -> list[subprocess.Popen]:
-    return [torchrun_node(h, hosts[0], run_dir, list(extra), tmp / f"{h.hostname}.log") for h in hosts]
+def _start_two_nodes(hosts: list[Host], run_dir: Path, tmp: Path) -> list[subprocess.Popen]:
+    return [torchrun_node(h, hosts[0], run_dir, tmp / f"{h.hostname}.log") for h in hosts]
 
 
 def test_two_hosts_train_like_one_process(hosts, tmp_path, reference):
@@ -294,7 +303,7 @@ def test_srun_tasks_with_different_configs_stop_naming_the_host(hosts, tmp_path)
 
 def test_world_size_the_layout_does_not_match_is_refused_naming_the_host(tmp_path):
     """One srun task of two, with a layout of four: refused before any connection is tried."""
-    env = dict(os.environ, SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0",
+    env = dict(_clean_environment(), SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0",
                SLURM_STEP_TASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1")
     command = [sys.executable, "-m", "fivefold.cli", "train", *TRAIN, "--layout", "dp=2,tp=2",
                "--run-dir", str(tmp_path)]
