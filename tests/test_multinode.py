@@ -247,6 +247,18 @@ def _wait_for_checkpoint(run_dir: Path, step: int, procs: list[subprocess.Popen]
         time.sleep(0.02)
 
 
+def _planner_machine(tmp_path: Path) -> dict[str, str]:
+    """The planner's view of this machine for `--layout auto`: the default CPU description.
+
+    Seeded in a private cache so that the test neither measures the machine (seconds of
+    work, and a choice that varies with the load) nor writes the user's cache.
+    """
+    from fivefold.planner.hardware import CPU_DEFAULT, save_calibration
+
+    save_calibration(CPU_DEFAULT, tmp_path / "cache" / "cpu_calibration.json")
+    return {"FIVEFOLD_CACHE_DIR": str(tmp_path / "cache")}
+
+
 def test_lost_node_resumes_on_survivor_with_replanned_layout(hosts, tmp_path, reference):
     survivor, lost = hosts
     run_dir = tmp_path / "run"
@@ -266,7 +278,7 @@ def test_lost_node_resumes_on_survivor_with_replanned_layout(hosts, tmp_path, re
     log = tmp_path / "resume.log"
     command = [sys.executable, "-m", "fivefold.cli", "train", *TRAIN, "--run-dir", str(run_dir),
                "--resume", "--layout", "auto", "--world-size", "2"]
-    code = _wait(_start_on(survivor, command, log, _env(survivor)), log)
+    code = _wait(_start_on(survivor, command, log, _env(survivor, _planner_machine(tmp_path))), log)
     assert code == 0, log.read_text()[-4000:]
     assert f"resuming at step {saved}" in log.read_text()
     resumed = json.loads((run_dir / "config.json").read_text())
