@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from .cluster import adopt_slurm_environment, job_world_size, where_prefix
 from .config import Config, ConfigError, load_config, preset_names
 from .layout import LayoutError, parse_layout_string, validate
 
@@ -60,13 +61,14 @@ def relaunch_under_torchrun(world_size: int, argv: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    adopt_slurm_environment()  # srun tasks join one job like torchrun's workers
     config = config_from_args(args.config, args.layout, overrides)
     if args.run_dir:
         config = config.replace(train=_replace(config.train, run_dir=args.run_dir))
     if args.resume:
         config = config.replace(checkpoint=_replace(config.checkpoint, resume=True))
     if args.layout == "auto":
-        config = choose_layout_automatically(config, args.world_size)
+        config = choose_layout_automatically(config, args.world_size or job_world_size())
     config = validate(config)  # before any process starts
     under_torchrun = "RANK" in os.environ
     if config.layout.world_size > 1 and not under_torchrun:
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return args.func(args, overrides, argv)
     except (ConfigError, LayoutError, CliError, ValueError, FileNotFoundError) as err:
-        print(f"fivefold: error: {err}", file=sys.stderr)
+        print(f"fivefold: error: {where_prefix()}{err}", file=sys.stderr)
         return 2
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .cluster import check_same_job, record_hosts
 from .config import Config
 from .data import Sampler, TokenData, load_tokenizer, load_tokens
 from .layout import validate
@@ -30,6 +31,7 @@ def init_distributed(config: Config) -> tuple[Mesh, torch.device]:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        check_same_job(config)  # before the mesh: nodes with other layouts would wait for each other's groups
     return Mesh.build(config.layout, device_type=device.type), device
 
 
@@ -155,6 +157,7 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
     if is_main:
         (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     prediction = write_prediction(config, device, run_dir) if is_main else None
+    record_hosts(run_dir, is_main)
     with _progress(is_main and show_progress, config.train.steps) as progress:
         records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress, prediction)
     path = None if stopped else save_final_weights(model, run_dir, config)
