@@ -443,6 +443,8 @@ def checkpoint_meta(model: Any, step: int) -> dict[str, Any]:
         "optimizer_steps": int(getattr(model.optimizer, "steps", step)),
         "has_optimizer": True,
         "config": model.config.to_dict(),
+        # Where the data stands (the batch of a step is a function of the step and these).
+        "data": model.extras["data_position"](step) if "data_position" in model.extras else {},
     }
 
 

@@ -70,6 +70,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     config = validate(config)  # before any process starts
     under_torchrun = "RANK" in os.environ
     if config.layout.world_size > 1 and not under_torchrun:
+        from .loader import check_data_source
+
+        check_data_source(config)  # a missing or bad data file is reported before any process starts
         argv = [a for a in argv]
         if args.layout == "auto":
             argv = _replace_layout_arg(argv, config)
@@ -142,6 +145,12 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     return run_bench_cli(argv[1:])
 
 
+def cmd_data(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from .prepare import run_data_cli
+
+    return run_data_cli(argv[1:])
+
+
 def cmd_convert(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from .checkpoint import run_convert_cli
 
@@ -190,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = sub.add_parser("convert", help="export to / import from Hugging Face folders", add_help=False)
     convert.set_defaults(func=cmd_convert)
+
+    data = sub.add_parser("data", help="prepare training data: fivefold data prepare FILES --out DIR", add_help=False)
+    data.set_defaults(func=cmd_data)
     return parser
 
 
@@ -199,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train"]
     parser = build_parser()
     try:
-        if argv[0] in ("plan", "bench", "convert"):
-            args = argparse.Namespace(func={"plan": cmd_plan, "bench": cmd_bench, "convert": cmd_convert}[argv[0]])
+        if argv[0] in ("plan", "bench", "convert", "data"):
+            args = argparse.Namespace(func={"plan": cmd_plan, "bench": cmd_bench, "convert": cmd_convert, "data": cmd_data}[argv[0]])
             return args.func(args, [], argv)
         rest, overrides = split_dotted(argv)
         args = parser.parse_args(rest)

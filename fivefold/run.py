@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from pathlib import Path
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
-from .data import Sampler, TokenData, load_tokenizer, load_tokens
+from .data import Sampler, TokenData
+from .packing import data_position
 from .layout import validate
 from .mesh import Mesh, device_for
 from .metrics import DTYPES, model_flops_per_token, peak_flops_for_log
@@ -94,14 +96,9 @@ def save_step(model, config: Config, run_dir: Path, steps_done: int) -> None:
 
 
 def load_data(config: Config) -> tuple[TokenData, Sampler]:
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={config.model.vocab_size}; "
-            f"set model.vocab_size >= {tokenizer.vocab_size}"
-        )
-    data = load_tokens(config.data, tokenizer)
-    return data, Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    from .loader import open_training_data
+
+    return open_training_data(config)
 
 
 def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_dir: Path, start: int, log, progress) -> tuple[list[dict], bool]:
@@ -141,6 +138,7 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
     torch.manual_seed(config.train.seed)
     data, sampler = load_data(config)
     model = build(config, mesh, device)
+    model.extras["data_position"] = functools.partial(data_position, sampler)  # recorded in checkpoints
     is_main = mesh.rank == 0
     run_dir = run_dir or new_run_dir(config)
     start = resume_step(model, config, run_dir)  # before anything is written to the run directory
