@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .data import DataError
+from .textfiles import DataError
 
 FORMAT = "fivefold-tokens-1"
 MANIFEST = "manifest.json"

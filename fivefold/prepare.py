@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .data import DataError, jsonl_documents, read_text_file
+from .textfiles import DataError, jsonl_documents, read_text_file
 from .indexed import FORMAT, MANIFEST, sha256_of, shard_name, token_dtype
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".csv", ".json")
@@ -102,10 +102,10 @@ def _tokenizer_config(path: Path) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=2)
 def _encoder(path: str):
-    """The tokenizer of a worker process, loaded once per process."""
-    from .data import HFTokenizer
+    """The tokenizer of a worker process, loaded once per process (checked by resolve_tokenizer)."""
+    from tokenizers import Tokenizer
 
-    return HFTokenizer(path)._tok
+    return Tokenizer.from_file(path)
 
 
 def encode_documents(docs: list[str], tok: TokenizerSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -305,7 +305,7 @@ def _check_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
             previous = json.loads(path.read_text())
         except ValueError:
             previous = None
-        if previous != plan:
+        if previous != json.loads(json.dumps(plan)):  # as stored: tuples become lists
             raise DataError(f"{out} holds another preparation (other inputs, tokenizer or field); use another --out or --overwrite")
     if overwrite:
         for stale in list(out.glob("shard_*")) + [out / MANIFEST]:
@@ -334,12 +334,13 @@ class PrepareResult:
     tokens: int
     documents: int
     shards: int
-    reused: int
+    reused: int  # shards kept from an interrupted earlier run
+    new_tokens: int  # tokens prepared by this run
     seconds: float
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+        return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
 def prepare(
@@ -371,7 +372,7 @@ def prepare(
     ordered = [records[i] for i in range(len(units))]
     write_manifest(out, tok, ordered, inputs)
     return PrepareResult(out, sum(r["tokens"] for r in ordered), sum(r["documents"] for r in ordered), len(ordered),
-                         len(units) - len(jobs), time.perf_counter() - start if jobs else 0.0)
+                         len(units) - len(jobs), new_tokens, time.perf_counter() - start)
 
 
 def write_manifest(out: Path, tok: TokenizerSpec, records: list[dict[str, Any]], inputs: list[str]) -> None:
