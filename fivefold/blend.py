@@ -10,6 +10,8 @@ dataset contributes is its own sampler's sample j (its own epochs and shuffle).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -73,23 +75,21 @@ class BlendIndex:
 class BlendedSampler(StepSampler):
     """Rows of several samplers, interleaved by `BlendIndex`."""
 
-    def __init__(self, samplers: list[StepSampler], weights: list[float], global_batch: int, seed: int) -> None:
+    def __init__(self, samplers: Sequence[StepSampler], weights: list[float], global_batch: int, seed: int) -> None:
         self.samplers, self.index = samplers, BlendIndex(weights)
         self.global_batch, self.seed = global_batch, seed
 
     def rows(self, samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         which, within = self.index.lookup(samples)
-        parts = [None] * len(samples)
-        for d, sampler in enumerate(self.samplers):
-            mine = np.nonzero(which == d)[0]
-            if len(mine):
-                rows = sampler.rows(within[mine])
-                for k, i in enumerate(mine):
-                    parts[i] = tuple(None if t is None else t[k] for t in rows)
-        inputs = torch.stack([p[0] for p in parts])
-        targets = torch.stack([p[1] for p in parts])
-        documents = None if parts[0][2] is None else torch.stack([p[2] for p in parts])
-        return inputs, targets, documents
+        per_dataset = {d: (np.nonzero(which == d)[0], sampler.rows(within[which == d]))
+                       for d, sampler in enumerate(self.samplers) if (which == d).any()}
+        first = next(iter(per_dataset.values()))[1]
+        out = [None if t is None else t.new_empty((len(samples), *t.shape[1:])) for t in first]
+        for places, rows in per_dataset.values():
+            for target, part in zip(out, rows):
+                if target is not None and part is not None:
+                    target[torch.from_numpy(places)] = part
+        return out[0], out[1], out[2]  # type: ignore[return-value]
 
     def describe_position(self, sample: int) -> dict:
         """Samples taken from each dataset before `sample`."""

@@ -116,8 +116,8 @@ def verify(root: Path, manifest: dict[str, Any]) -> None:
 
 @dataclass
 class Shard:
-    tokens: np.memmap  # (n,) token ids
-    ends: np.memmap  # (documents,) end offset of each document within the shard
+    tokens: np.ndarray  # (n,) token ids, memory-mapped
+    ends: np.ndarray  # (documents,) end offset of each document within the shard, memory-mapped
 
 
 class IndexedDataset:

@@ -29,7 +29,7 @@ class PreparedData:
     val_fraction: float = 0.05
 
     def _sampler(self, part: int, seq_len: int, global_batch: int, seed: int, val_fraction: float) -> StepSampler:
-        samplers = []
+        samplers: list[StepSampler] = []
         for dataset in self.datasets:
             bounds = split_by_documents(dataset, val_fraction)
             what = f"the {'training' if part == 0 else 'validation'} split of {dataset.root}"
@@ -55,8 +55,8 @@ def prepared_sources(config: Config) -> list[tuple[float, Path]] | None:
                 raise DataError(f"data.source: blend member {path} is not a prepared dataset (no manifest.json); "
                                 f"run `fivefold data prepare ... --out {path}` first")
         return [(w, Path(p)) for w, p in blend]
-    path = Path(config.data.source)
-    return [(1.0, path)] if config.data.source != "embedded" and is_prepared(path) else None
+    folder = Path(config.data.source)
+    return [(1.0, folder)] if config.data.source != "embedded" and is_prepared(folder) else None
 
 
 def _check_tokenizer(datasets: list[IndexedDataset], config: Config) -> int:
