@@ -7,7 +7,7 @@ checks in the launching process, before any worker process is started.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ class PreparedData:
     vocab_size: int
     document_mask: bool
     val_fraction: float = 0.05
+    notes: list[str] = field(default_factory=list)  # worth telling the user, not errors
 
     def _sampler(self, part: int, seq_len: int, global_batch: int, seed: int, val_fraction: float) -> StepSampler:
         samplers: list[StepSampler] = []
@@ -104,6 +105,13 @@ def open_training_data(config: Config) -> tuple[Any, Any]:
     vocab_size = _check_tokenizer(datasets, config)
     _check_vocab(vocab_size, config)
     data = PreparedData(datasets, [w for w, _ in sources], vocab_size, config.data.document_mask, config.data.val_fraction)
+    longest = max(int(d.manifest.get("longest_document", 0)) for d in datasets)
+    if config.data.document_mask and 0 < longest < train.seq_len:
+        data.notes.append(
+            f"train.seq_len={train.seq_len} is longer than every document (the longest has {longest} tokens): "
+            "each sequence packs several documents and, with data.document_mask, attends within each; "
+            f"a seq_len of {longest} would cost less attention for the same context"
+        )
     return data, data.training_sampler(train.seq_len, train.global_batch, train.seed)
 
 

@@ -160,8 +160,11 @@ def _load_saved(path: str, split: str):
     return dataset
 
 
-def plan_units(inputs: list[str], split: str) -> list[Unit]:
-    """The units of every input, in a fixed order (inputs as given, files sorted in folders)."""
+def plan_units(inputs: list[str], split: str, out: Path | None = None) -> list[Unit]:
+    """The units of every input, in a fixed order (inputs as given, files sorted in folders).
+
+    Hidden files and folders, and the output folder when it lies inside an input, are skipped.
+    """
     units: list[Unit] = []
     for text in inputs:
         path = Path(text)
@@ -171,11 +174,17 @@ def plan_units(inputs: list[str], split: str) -> list[Unit]:
             rows = len(_load_saved(str(path), split))
             units += [Unit("saved_dataset", (str(path),), a, min(a + ROWS_PER_UNIT, rows)) for a in range(0, rows, ROWS_PER_UNIT)]
             continue
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
+        files = sorted(p for p in path.rglob("*") if _is_input(p, path, out)) if path.is_dir() else [path]
         if not files:
             raise DataError(f"{path} holds no {'/'.join(TEXT_SUFFIXES)} files")
         units += _file_units(files)
     return units
+
+
+def _is_input(file: Path, folder: Path, out: Path | None) -> bool:
+    hidden = any(part.startswith(".") for part in file.relative_to(folder).parts)
+    inside_out = out is not None and out.resolve() in file.resolve().parents
+    return file.is_file() and file.suffix in TEXT_SUFFIXES and not hidden and not inside_out
 
 
 def _file_units(files: list[Path]) -> list[Unit]:
@@ -209,7 +218,7 @@ def _column(table_columns: list[str], field: str, where: str) -> None:
         raise DataError(f"{where} has no column '{field}' (columns: {', '.join(table_columns)}); choose one with --field")
 
 
-def read_unit(unit: Unit, field: str, split: str) -> list[str]:
+def read_unit(unit: Unit, field: str, split: str, cache: Path) -> list[str]:
     """The documents of a unit, in order."""
     if unit.kind == "txt":
         return [read_text_file(Path(p)) for p in unit.paths]
@@ -222,7 +231,7 @@ def read_unit(unit: Unit, field: str, split: str) -> list[str]:
         table = pq.ParquetFile(path).read_row_group(unit.start)
         _column(table.column_names, field, path)
         return _texts(table.column(field).to_pylist(), path, first_row=_rows_before(path, unit.start))
-    dataset = _load_saved(path, split) if unit.kind == "saved_dataset" else _load_data_file(path)
+    dataset = _load_saved(path, split) if unit.kind == "saved_dataset" else _load_data_file(path, cache)
     _column(dataset.column_names, field, path)
     stop = unit.stop if unit.kind == "saved_dataset" else len(dataset)
     return _texts(dataset[unit.start : stop][field], path, first_row=unit.start)
@@ -235,12 +244,12 @@ def _rows_before(path: str, group: int) -> int:
     return sum(meta.row_group(g).num_rows for g in range(group))
 
 
-def _load_data_file(path: str):
+def _load_data_file(path: str, cache: Path):
     from datasets import load_dataset
 
     builder = {".csv": "csv", ".json": "json"}[Path(path).suffix]
     try:
-        return load_dataset(builder, data_files=[path], split="train", cache_dir=str(Path(path).parent / ".fivefold-datasets-cache"))
+        return load_dataset(builder, data_files=[path], split="train", cache_dir=str(cache))
     except Exception as err:
         raise DataError(f"{path} cannot be read as {builder} by `datasets` ({str(err).splitlines()[0]})") from None
 
@@ -272,10 +281,11 @@ def _record_path(out: Path, index: int) -> Path:
 def write_shard(job: Job) -> dict[str, Any]:
     """Tokenize one unit into shard `job.index`: files first, the record last (the commit)."""
     out = Path(job.out)
-    docs = read_unit(job.unit, job.field, job.split)
+    docs = read_unit(job.unit, job.field, job.split, out / ".datasets-cache")
     tokens, ends = encode_documents(docs, job.tokenizer)
     name = shard_name(job.index)
-    record = {"name": name, "tokens": int(len(tokens)), "documents": int(len(ends)), "empty_documents": len(docs) - len(ends)}
+    record = {"name": name, "tokens": int(len(tokens)), "documents": int(len(ends)), "empty_documents": len(docs) - len(ends),
+              "longest_document": int(np.diff(ends, prepend=0).max()) if len(ends) else 0}
     for suffix, array in ((".bin", tokens), (".idx", ends.astype(np.int64))):
         tmp = out / f"{name}{suffix}.tmp"
         array.tofile(tmp)
@@ -351,8 +361,8 @@ def prepare(
     """Prepare `inputs` into the folder `out`; returns counts and tokens/s of the new work."""
     start = time.perf_counter()
     tok = resolve_tokenizer(tokenizer, use_bos, eos_token)
-    units = plan_units(inputs, split)
     out = Path(out)
+    units = plan_units(inputs, split, out)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file; give a folder")
     out.mkdir(parents=True, exist_ok=True)
@@ -386,6 +396,7 @@ def write_manifest(out: Path, tok: TokenizerSpec, records: list[dict[str, Any]],
         "tokens": sum(r["tokens"] for r in records),
         "documents": documents,
         "empty_documents_skipped": sum(r["empty_documents"] for r in records),
+        "longest_document": max(r.get("longest_document", 0) for r in records),  # tokens, with BOS/EOS
         "inputs": [str(Path(i).resolve()) for i in inputs],
         "shards": [{k: r[k] for k in ("name", "tokens", "documents", "sha256_bin", "sha256_idx")} for r in records],
     }

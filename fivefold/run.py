@@ -140,6 +140,8 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
     model = build(config, mesh, device)
     model.extras["data_position"] = functools.partial(data_position, sampler)  # recorded in checkpoints
     is_main = mesh.rank == 0
+    for note in getattr(data, "notes", []) if is_main else []:
+        print(f"note: {note}")
     run_dir = run_dir or new_run_dir(config)
     start = resume_step(model, config, run_dir)  # before anything is written to the run directory
     log = MetricsLog(run_dir, enabled=is_main)

@@ -263,3 +263,11 @@ def test_resume_on_prepared_data_continues_exactly(prepared, tmp_path):
     assert [r["loss"] for r in later] == [r["loss"] for r in straight[1:]]
     a, b = load_file(str(tmp_path / "straight" / "model.safetensors")), load_file(str(tmp_path / "resumed" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sequence_longer_than_every_document_gets_a_note(prepared):
+    longest = json.loads((prepared / "manifest.json").read_text())["longest_document"]
+    assert longest == len("document number 199 " * 5) + 1  # the text and its EOS
+    data, _ = open_training_data(_tiny(prepared, "data.document_mask=true", f"train.seq_len={2 * longest}"))
+    assert f"longer than every document (the longest has {longest} tokens)" in data.notes[0]
+    assert not open_training_data(_tiny(prepared, "data.document_mask=true", "train.seq_len=32"))[0].notes
