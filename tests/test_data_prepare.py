@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,11 +223,17 @@ def test_garbage_tokenizer_unreadable_file_and_missing_source(tmp_path, capsys, 
          "tokenizer.json is not a Hugging Face tokenizer.json"),
         (["data", "prepare", str(tmp_path / "nothing.jsonl"), "--out", str(tmp_path / "o")], "nothing.jsonl does not exist"),
     ]
-    if os.geteuid() != 0:  # root reads any file
-        locked = tmp_path / "locked.txt"
-        locked.write_text("secret")
-        locked.chmod(0)
-        cases.append((["data", "prepare", str(locked), "--out", str(tmp_path / "o2")], "locked.txt cannot be read"))
+    locked = tmp_path / "locked.txt"
+    locked.write_text("secret")
+    cases.append((["data", "prepare", str(locked), "--out", str(tmp_path / "o2")], "locked.txt cannot be read (Permission denied)"))
+    real_read_bytes = Path.read_bytes
+
+    def read_bytes(self):  # a file this user may not read (chmod 0 would not stop root)
+        if self.name == "locked.txt":
+            raise PermissionError(13, "Permission denied")
+        return real_read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
     for argv, message in cases:
         assert main(argv) == 2
         err = capsys.readouterr().err

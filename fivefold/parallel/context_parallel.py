@@ -17,6 +17,11 @@ mask, which stays exact across chunks. Three attention algorithms (`layout.cp_al
 - "ulysses": an all-to-all turns sequence-split Q/K/V into head-split Q/K/V of the whole
   sequence, attention runs locally, and an all-to-all turns the output back.
 
+Packed documents (`data.document_mask`): every core receives the document index of every
+token of the whole sequences (B, T) and adds "same document" to its causal mask, in global
+positions. The ring builds the mask of each K/V block it holds (Tq x Tk, never s x s), passes
+it to the fused CPU kernel, and skips a block in which no query sees any key.
+
 Gradients of replicated parameters are summed over dp x cp by the data-parallel optimizer:
 each rank's loss is its own tokens' CE sum over the tokens of the global batch.
 """
