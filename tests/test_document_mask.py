@@ -35,6 +35,19 @@ def prepared(tmp_path_factory):
     return str(root / "prepared")
 
 
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory):
+    """Documents of exactly 8 tokens (7 letters + EOS): each zigzag chunk of cp=2 is one document."""
+    from fivefold.prepare import prepare
+
+    root = tmp_path_factory.mktemp("aligned")
+    rng = random.Random(2)
+    lines = [json.dumps({"text": "".join(rng.choice("abcdefgh") for _ in range(7))}) for _ in range(200)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([str(root / "docs.jsonl")], root / "prepared", workers=1)
+    return str(root / "prepared")
+
+
 def _config(prepared: str, preset: str = "tiny"):
     return load_config(preset, [f"data.source={prepared}", "data.document_mask=true", "train.seq_len=32"])
 
@@ -92,10 +105,16 @@ def test_attention_does_not_cross_documents(prepared):
     assert not torch.allclose(unmasked[row, ~first], b[row, ~first])  # without the mask it would leak
 
 
-def test_document_mask_parity_in_every_layout(pools, reference, prepared):
+def test_document_mask_parity_in_every_layout(pools, reference, prepared, aligned):
+    from fivefold.loader import open_training_data
+
     dense, moe = _config(prepared), _config(prepared, "tiny-moe")
+    _, sampler = open_training_data(_config(aligned))
+    documents = sampler.local_rows_at(0, 0, 1)[2]
+    assert _ring_block(documents, 1, 0, 2, 16)[4]  # the aligned data makes the ring skip blocks
     configs = [
         with_layout(dense, cp=2, cp_algorithm="ring"),
+        with_layout(_config(aligned), cp=2, cp_algorithm="ring"),
         with_layout(dense, cp=2, cp_algorithm="allgather"),
         with_layout(dense, cp=2, cp_algorithm="ulysses"),
         with_layout(dense, tp=2, sequence_parallel=True),
