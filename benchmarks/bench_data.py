@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps read per probe of the size sweep")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workdir", default=None, help="where corpora are written (default: a temporary folder)")
+    p.add_argument("--sizes-only", action="store_true", help="only the corpus size sweep")
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: one start-up probe
     return p.parse_args(argv)
 
@@ -153,11 +154,10 @@ def probe(root: str, args: argparse.Namespace) -> None:
     """In a fresh process: start-up time and the memory the data adds, printed as JSON."""
     import torch  # noqa: F401  (imported before measuring: it is not the data's cost)
 
-    from fivefold.bench import peak_rss_mb
     from fivefold.config import load_config
     from fivefold.loader import open_training_data
 
-    before = peak_rss_mb()
+    before = resident_mb()
     start = time.perf_counter()
     config = load_config("tiny", [f"data.source={root}", "data.document_mask=true", f"train.seq_len={args.seq_len}",
                                   f"train.global_batch={args.global_batch}", "data.val_fraction=0.01"])
@@ -166,7 +166,15 @@ def probe(root: str, args: argparse.Namespace) -> None:
     startup = time.perf_counter() - start
     for step in range(1, args.steps):
         sampler.local_rows_at(step * 9973, 0, 1)  # steps spread over the whole corpus
-    print(json.dumps({"startup_s": startup, "data_rss_mb": peak_rss_mb() - before}))
+    print(json.dumps({"startup_s": startup, "data_rss_mb": resident_mb() - before}))
+
+
+def resident_mb() -> float:
+    """Resident memory now, mapped file pages included (Linux /proc), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status: the size sweep measures memory on Linux only")
 
 
 def bench_sizes(work: Path, args: argparse.Namespace) -> list[dict]:
@@ -203,15 +211,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
-        prep = bench_prepare(work, args.prepare_mb, args.rounds)
-        print(f"prepare: {prep['tokens']:,} tokens; " + ", ".join(f"{k}: {v:,.0f} tokens/s" for k, v in prep["tokens_per_s"].items())
-              + f"; parallel/serial {prep['parallel_speedup']:.2f}x")
-        loader = bench_loader_vs_training(work, args.preset, args.seq_len, args.global_batch, args.rounds)
-        rates = loader["tokens_per_s"]
-        print(f"loader {rates['loader']:,.0f} tokens/s vs training ({args.preset}) {rates['train_step']:,.0f} tokens/s: "
-              f"loader/training {loader['loader_over_training']:,.0f}x")
+        prep, loader = {}, {}
+        if not args.sizes_only:
+            prep = bench_prepare(work, args.prepare_mb, args.rounds)
+            print(f"prepare: {prep['tokens']:,} tokens; " + ", ".join(f"{k}: {v:,.0f} tokens/s" for k, v in prep["tokens_per_s"].items())
+                  + f"; parallel/serial {prep['parallel_speedup']:.2f}x")
+            loader = bench_loader_vs_training(work, args.preset, args.seq_len, args.global_batch, args.rounds)
+            rates = loader["tokens_per_s"]
+            print(f"loader {rates['loader']:,.0f} tokens/s vs training ({args.preset}) {rates['train_step']:,.0f} tokens/s: "
+                  f"loader/training {loader['loader_over_training']:,.0f}x")
         sizes = bench_sizes(work, args)
-        print(f"{'corpus tokens':>15} {'first open s':>13} {'start-up s':>11} {'data RSS MB':>12}")
+        print(f"{'corpus tokens':>15} {'first open s':>13} {'start-up s':>11} {'data RSS MB':>12}  (medians of {args.rounds} fresh processes)")
         for row in sizes:
             print(f"{row['tokens']:>15,} {row['first_open_s']:>13.2f} {row['startup_s']:>11.3f} {row['data_rss_mb']:>12.1f}")
     path = Path("bench_results") / "data.json"
