@@ -10,7 +10,8 @@ Three measurements, each side by side in one run (fivefold.bench):
 3. corpus size sweep: token shards synthesised directly with numpy (1M .. --max-tokens tokens,
    documents of ~1000 tokens), each opened in a fresh process that builds the training
    sampler and reads --steps steps: start-up seconds and the memory the data adds to the
-   process (peak RSS after minus before), which must not grow with the corpus. The first
+   process: private (RssAnon) memory, which must not grow with the corpus, and mapped shard
+   pages (RssFile, reclaimable page cache, growing with the windows read). The first
    open of a corpus hashes every shard (reported apart); later opens reuse the checked sums.
 
     python benchmarks/bench_data.py --max-tokens 1000000000
@@ -166,15 +167,26 @@ def probe(root: str, args: argparse.Namespace) -> None:
     startup = time.perf_counter() - start
     for step in range(1, args.steps):
         sampler.local_rows_at(step * 9973, 0, 1)  # steps spread over the whole corpus
-    print(json.dumps({"startup_s": startup, "data_rss_mb": resident_mb() - before}))
+    after = resident_mb()
+    print(json.dumps({"startup_s": startup, "private_mb": after["RssAnon"] - before["RssAnon"],
+                      "mapped_mb": after["RssFile"] - before["RssFile"]}))
 
 
-def resident_mb() -> float:
-    """Resident memory now, mapped file pages included (Linux /proc), in MB."""
+def resident_mb() -> dict[str, float]:
+    """Resident memory now (Linux /proc), in MB: RssAnon (the process's own) and RssFile (mapped file pages).
+
+    Mapped pages of the shards are page cache: shared, dropped by the kernel under pressure, and
+    proportional to the windows read (the kernel maps whole page-cache folios, up to 2 MB each
+    on recent kernels), not to the corpus.
+    """
+    fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status: the size sweep measures memory on Linux only")
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) / 1024
+    if len(fields) != 2:
+        raise RuntimeError("no RssAnon/RssFile in /proc/self/status: the size sweep measures memory on Linux only")
+    return fields
 
 
 def bench_sizes(work: Path, args: argparse.Namespace) -> list[dict]:
@@ -190,7 +202,8 @@ def bench_sizes(work: Path, args: argparse.Namespace) -> list[dict]:
             row["probes"].append(_run_probe(work / f"synthetic-{row['tokens']}", args))
     for row in rows:
         row["startup_s"] = statistics.median(p["startup_s"] for p in row["probes"])
-        row["data_rss_mb"] = statistics.median(p["data_rss_mb"] for p in row["probes"])
+        row["private_mb"] = statistics.median(p["private_mb"] for p in row["probes"])
+        row["mapped_mb"] = statistics.median(p["mapped_mb"] for p in row["probes"])
     return rows
 
 
@@ -221,9 +234,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loader {rates['loader']:,.0f} tokens/s vs training ({args.preset}) {rates['train_step']:,.0f} tokens/s: "
                   f"loader/training {loader['loader_over_training']:,.0f}x")
         sizes = bench_sizes(work, args)
-        print(f"{'corpus tokens':>15} {'first open s':>13} {'start-up s':>11} {'data RSS MB':>12}  (medians of {args.rounds} fresh processes)")
+        print(f"{'corpus tokens':>15} {'first open s':>13} {'start-up s':>11} {'private MB':>11} {'mapped MB':>10}"
+              f"  (medians of {args.rounds} fresh processes, {args.steps} steps read)")
         for row in sizes:
-            print(f"{row['tokens']:>15,} {row['first_open_s']:>13.2f} {row['startup_s']:>11.3f} {row['data_rss_mb']:>12.1f}")
+            print(f"{row['tokens']:>15,} {row['first_open_s']:>13.2f} {row['startup_s']:>11.3f} "
+                  f"{row['private_mb']:>11.1f} {row['mapped_mb']:>10.1f}")
     path = Path("bench_results") / "data.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"prepare": prep, "loader": loader, "sizes": sizes, "args": vars(args)}, indent=2))
