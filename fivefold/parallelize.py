@@ -38,6 +38,12 @@ class MicroBatch:
     targets: torch.Tensor  # (b, t)
     positions: torch.Tensor  # (t,) positions of these tokens in their sequences, (b, t) in their documents
     documents: torch.Tensor | None = None  # (b, T) document index of each token of the whole sequences
+    indices: torch.Tensor | None = None  # (t,) with documents: these tokens' positions in their sequences
+
+    @property
+    def sequence_positions(self) -> torch.Tensor:
+        """(t,) positions of this rank's tokens in their sequences, with or without documents."""
+        return self.positions if self.indices is None else self.indices
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -48,7 +54,8 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 def whole_sequence(inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None) -> MicroBatch:
     if documents is None:
         return MicroBatch(inputs, targets, torch.arange(inputs.shape[1], device=inputs.device))
-    return MicroBatch(inputs, targets, positions_in_documents(documents), documents)
+    indices = torch.arange(inputs.shape[1], device=inputs.device)
+    return MicroBatch(inputs, targets, positions_in_documents(documents), documents, indices)
 
 
 @dataclass

@@ -76,7 +76,7 @@ def sequence_sharder(mesh: Mesh, config: Config) -> Callable:
             return MicroBatch(inputs[:, positions], targets[:, positions], positions)
         # RoPE restarts at each document; the cores keep every token's document to mask with.
         in_document = positions_in_documents(documents)[:, positions]
-        return MicroBatch(inputs[:, positions], targets[:, positions], in_document, documents)
+        return MicroBatch(inputs[:, positions], targets[:, positions], in_document, documents, positions)
 
     return shard
 
