@@ -443,6 +443,8 @@ def checkpoint_meta(model: Any, step: int) -> dict[str, Any]:
         "optimizer_steps": int(getattr(model.optimizer, "steps", step)),
         "has_optimizer": True,
         "config": model.config.to_dict(),
+        # Where the data stands (the batch of a step is a function of the step and these).
+        "data": model.extras["data_position"](step) if "data_position" in model.extras else {},
     }
 
 
@@ -605,6 +607,7 @@ def _attempt(model: Any, path: Path) -> tuple[int, str, int]:
         manifest = read_manifest(path)
         notes = check_compatible(manifest, model.config, path)
         step = load_into(model, path, manifest)
+        notes += _data_notes(manifest, model, step)
     except CorruptCheckpoint as err:
         return _CORRUPT, str(err), -1
     except CheckpointError as err:  # another model, or an optimizer that cannot load state
@@ -612,6 +615,14 @@ def _attempt(model: Any, path: Path) -> tuple[int, str, int]:
     if notes and model.mesh.rank == 0:
         print(f"note: resuming {path} with settings changed since it was saved: {', '.join(notes)}")
     return _OK, "", step
+
+
+def _data_notes(manifest: dict[str, Any], model: Any, step: int) -> list[str]:
+    """The data a checkpoint was trained on, where it differs from the data the run resumes on."""
+    if "data_position" not in model.extras or not manifest.get("data"):
+        return []
+    now, saved = model.extras["data_position"](step), manifest["data"]
+    return [f"data {key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in now if saved.get(key) != now[key]]
 
 
 def resume_latest(model: Any, root: Path) -> int:

@@ -72,6 +72,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     config = validate(config)  # before any process starts
     under_torchrun = "RANK" in os.environ
     if config.layout.world_size > 1 and not under_torchrun:
+        from .loader import check_data_source
+
+        check_data_source(config)  # a missing or bad data file is reported before any process starts
         argv = [a for a in argv]
         if args.layout == "auto":
             argv = _replace_layout_arg(argv, config)
@@ -150,6 +153,12 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     return run_bench_cli(argv[1:])
 
 
+def cmd_data(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from .prepare import run_data_cli
+
+    return run_data_cli(argv[1:])
+
+
 def cmd_convert(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from .checkpoint import run_convert_cli
 
@@ -218,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="HTML page and PNG figures of a run folder", add_help=False)
     report.set_defaults(func=cmd_report)
+    data = sub.add_parser("data", help="prepare training data: fivefold data prepare FILES --out DIR", add_help=False)
+    data.set_defaults(func=cmd_data)
     return parser
 
 
@@ -227,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train"]
     parser = build_parser()
     try:
-        if argv[0] in ("plan", "bench", "convert", "report"):
-            commands = {"plan": cmd_plan, "bench": cmd_bench, "convert": cmd_convert, "report": cmd_report}
+        if argv[0] in ("plan", "bench", "convert", "report", "data"):
+            commands = {"plan": cmd_plan, "bench": cmd_bench, "convert": cmd_convert, "report": cmd_report,
+                        "data": cmd_data}
             args = argparse.Namespace(func=commands[argv[0]])
             return args.func(args, [], argv)
         rest, overrides = split_dotted(argv)

@@ -136,10 +136,13 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "embedded"  # "embedded", or a .txt/.jsonl file or a folder of them
+    # "embedded", a .txt/.jsonl file or a folder of them, a prepared dataset (`fivefold data
+    # prepare`), or a blend of prepared datasets as "weight path weight path ..." (Megatron's form)
+    source: str = "embedded"
     tokenizer: str = "bytes"  # "bytes", or a path to a Hugging Face tokenizer.json
     val_fraction: float = 0.05
     jsonl_field: str = "text"
+    document_mask: bool = False  # prepared data: attention stays inside each packed document
 
 
 @dataclass(frozen=True)

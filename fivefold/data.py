@@ -11,7 +11,6 @@ The embedded corpus is a snapshot of 53 modules of the CPython 3.11.7 standard l
 from __future__ import annotations
 
 import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -19,12 +18,11 @@ from typing import Protocol
 import torch
 
 from .config import DataConfig
+from .textfiles import DataError, jsonl_documents, read_text_file
+
+__all__ = ["DataError", "jsonl_documents", "read_text_file"]  # re-exported: the data module's errors
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
-
-
-class DataError(ValueError):
-    """A data source or tokenizer that cannot be used; the message says what to change."""
 
 
 class Tokenizer(Protocol):
@@ -58,11 +56,15 @@ class HFTokenizer:
                             "pip install 'fivefold[tokenizers]'") from None
         if not Path(path).is_file():
             raise DataError(f"data.tokenizer={path} does not exist; give a tokenizer.json path or 'bytes'")
-        self._tok = _Tokenizer.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size()
+        try:
+            self._tok = _Tokenizer.from_file(path)
+        except Exception as err:  # tokenizers raises a bare Exception for any unreadable file
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(f"{path} is not a Hugging Face tokenizer.json ({reason})") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -79,28 +81,25 @@ def embedded_text() -> str:
 
 def _read_documents(path: Path, jsonl_field: str) -> list[str]:
     if path.suffix == ".jsonl":
-        docs = []
-        for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no} is not valid JSON: {err}") from None
-            if jsonl_field not in record:
-                raise DataError(f"{path}:{line_no} has no field '{jsonl_field}' (set data.jsonl_field)")
-            docs.append(str(record[jsonl_field]))
-        return docs
-    return [path.read_text(encoding="utf-8", errors="replace")]
+        return jsonl_documents(path, jsonl_field)
+    return [read_text_file(path)]
 
 
 def load_text(config: DataConfig) -> str:
     """The training text: the embedded corpus, a .txt/.jsonl file, or a folder of them."""
     if config.source == "embedded":
+        if config.document_mask:
+            raise DataError("data.document_mask needs a prepared dataset (`fivefold data prepare`); "
+                            "the embedded corpus has no document boundaries")
         return embedded_text()
     path = Path(config.source)
     if not path.exists():
         raise DataError(f"data.source={config.source} does not exist; use 'embedded' or a .txt/.jsonl file or folder")
+    if config.document_mask:
+        raise DataError(
+            "data.document_mask needs document boundaries: prepare the data with "
+            f"`fivefold data prepare {config.source} --out DIR` and set data.source=DIR"
+        )
     files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl")) if path.is_dir() else [path]
     if not files:
         raise DataError(f"data.source={config.source} holds no .txt or .jsonl files")
@@ -113,6 +112,9 @@ class TokenData:
     train: torch.Tensor  # (N,) int64 token ids
     val: torch.Tensor
     vocab_size: int
+
+    def validation_sampler(self, seq_len: int, global_batch: int, seed: int) -> "Sampler":
+        return Sampler(self.val, seq_len, global_batch, seed)
 
 
 def load_tokens(config: DataConfig, tokenizer: Tokenizer) -> TokenData:
@@ -138,7 +140,10 @@ class Sampler:
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
-            raise DataError(f"the data holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+            raise DataError(
+                f"the data holds {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}; "
+                "lower train.seq_len or add data"
+            )
 
     def _window_ids(self, first: int, count: int) -> list[int]:
         ids, cache = [], {}
@@ -163,7 +168,16 @@ class Sampler:
         rows = slice(dp_rank * per, (dp_rank + 1) * per)
         return inputs[rows], targets[rows]
 
+    def local_rows_at(self, step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs, targets, documents) of this rank's share; one unbroken text: no document ids."""
+        inputs, targets = self.local_batch_at(step, dp_rank, dp_size)
+        return inputs, targets, None
 
-def micro_batches(inputs: torch.Tensor, targets: torch.Tensor, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Split a rank's batch into `count` equal micro-batches, in order."""
-    return list(zip(inputs.chunk(count), targets.chunk(count)))
+
+def micro_batches(
+    inputs: torch.Tensor, targets: torch.Tensor, count: int, documents: torch.Tensor | None = None
+) -> list[tuple[torch.Tensor, ...]]:
+    """Split a rank's batch into `count` equal micro-batches, in order (with their document ids)."""
+    if documents is None:
+        return list(zip(inputs.chunk(count), targets.chunk(count)))
+    return list(zip(inputs.chunk(count), targets.chunk(count), documents.chunk(count)))

@@ -86,7 +86,7 @@ def gather_stream(model: ParallelModel, rec: Recording, names: list[str], batche
         out = torch.zeros(train.global_batch, train.seq_len, config.model.hidden)
         for k, local in enumerate(rec.outputs.get(name, [])):
             rows = mesh.dp.rank * per_rank + k * layout.micro_batch + torch.arange(local.shape[0])
-            positions = batches[k].positions.cpu()
+            positions = batches[k].sequence_positions.cpu()
             if local.shape[1] == len(positions):
                 if mesh.tp.rank != 0:
                     continue  # every tp rank holds the same values: one writes them
@@ -178,13 +178,12 @@ def probe(
     `after_build` may modify the parallel model before it runs (tests use it to break a
     collective on purpose and check that the divergence is found where it was made).
     """
-    from .data import Sampler, load_tokenizer, load_tokens
     from .layout import validate
+    from .loader import open_training_data
     from .train import build
 
     config = validate(config, mesh.world_size)
-    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
-    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    _, sampler = open_training_data(config)
     model = build(config, mesh, torch.device("cpu"))
     if after_build is not None:
         after_build(model)

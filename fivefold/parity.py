@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import Config, Layout
-from .data import Sampler, load_tokenizer, load_tokens
+from .loader import open_training_data
 from .layout import validate
 from .mesh import Mesh
 from .train import build, train_step
@@ -52,9 +52,7 @@ def reference_config(config: Config) -> Config:
 def train_trace(config: Config, mesh: Mesh, steps: int, keep_params: bool = True) -> TrainTrace:
     """Train `steps` steps of `config` on this rank's part of `mesh`; gather the full weights."""
     config = validate(config, mesh.world_size)
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    data = load_tokens(config.data, tokenizer)
-    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    _, sampler = open_training_data(config)
     model = build(config, mesh, torch.device("cpu"))
     trace = TrainTrace([], [], [])
     mesh.stats.reset()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from pathlib import Path
@@ -12,7 +13,8 @@ import torch.distributed as dist
 
 from .cluster import check_same_job, record_hosts
 from .config import Config
-from .data import Sampler, TokenData, load_tokenizer, load_tokens
+from .data import Sampler, TokenData
+from .packing import data_position
 from .layout import validate
 from .mesh import Mesh, device_for
 from .metrics import DTYPES, StepProfiler, model_flops_per_token, peak_flops_for_log, rank_measurements
@@ -97,14 +99,9 @@ def save_step(model, config: Config, run_dir: Path, steps_done: int) -> None:
 
 
 def load_data(config: Config) -> tuple[TokenData, Sampler]:
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={config.model.vocab_size}; "
-            f"set model.vocab_size >= {tokenizer.vocab_size}"
-        )
-    data = load_tokens(config.data, tokenizer)
-    return data, Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    from .loader import open_training_data
+
+    return open_training_data(config)
 
 
 def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_dir: Path, start: int, log, progress,
@@ -150,7 +147,10 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
     torch.manual_seed(config.train.seed)
     data, sampler = load_data(config)
     model = build(config, mesh, device)
+    model.extras["data_position"] = functools.partial(data_position, sampler)  # recorded in checkpoints
     is_main = mesh.rank == 0
+    for note in getattr(data, "notes", []) if is_main else []:
+        print(f"note: {note}")
     run_dir = run_dir or new_run_dir(config)
     start = resume_step(model, config, run_dir)  # before anything is written to the run directory
     log = MetricsLog(run_dir, enabled=is_main)

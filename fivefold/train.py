@@ -52,11 +52,11 @@ def autocast_for(config: Config, device: torch.device) -> contextlib.AbstractCon
 def local_micro_batches(model: ParallelModel, sampler: Sampler, step: int) -> list[MicroBatch]:
     """This rank's micro-batches of step `step`: its data-parallel rows, its sequence chunk."""
     mesh, layout = model.mesh, model.config.layout
-    inputs, targets = sampler.local_batch_at(step, mesh.dp.rank, mesh.dp.size)
+    inputs, targets, documents = sampler.local_rows_at(step, mesh.dp.rank, mesh.dp.size)
     device = model.extras.get("device", torch.device("cpu"))
     return [
-        model.shard_sequence(x.to(device), y.to(device))
-        for x, y in micro_batches(inputs, targets, layout.grad_accum)
+        model.shard_sequence(*(t.to(device) for t in rows))
+        for rows in micro_batches(inputs, targets, layout.grad_accum, documents)
     ]
 
 
@@ -73,7 +73,7 @@ def forward_backward(model: ParallelModel, batches: list[MicroBatch], device: to
         sync = contextlib.nullcontext() if last else model.optimizer.no_sync()
         with sync:
             with autocast_for(model.config, device):
-                logits, aux = chunk(mb.inputs, mb.positions)
+                logits, aux = chunk(mb.inputs, mb.positions, mb.documents)
                 ce = model.loss_fn(logits, mb.targets)
             loss = ce * token_scale
             if aux is not None:
@@ -190,7 +190,7 @@ def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
 def evaluate(model: ParallelModel, data: TokenData, batches: int) -> float:
     """Mean token loss on the validation split (the first `batches` global batches of it)."""
     train = model.config.train
-    sampler = Sampler(data.val, train.seq_len, train.global_batch, seed=train.seed + 1)
+    sampler = data.validation_sampler(train.seq_len, train.global_batch, train.seed + 1)
     device = model.extras.get("device", torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64)
     for step in range(batches):
@@ -200,7 +200,7 @@ def evaluate(model: ParallelModel, data: TokenData, batches: int) -> float:
         else:
             for mb in mbs:
                 with autocast_for(model.config, device):
-                    logits, _ = model.chunks[0](mb.inputs, mb.positions)
+                    logits, _ = model.chunks[0](mb.inputs, mb.positions, mb.documents)
                     total += model.loss_fn(logits, mb.targets).double().cpu()
     owns = model.is_last_stage and model.mesh.tp.rank == 0
     return _report_sum(total, model.mesh, owns) / (batches * train.global_batch * train.seq_len)

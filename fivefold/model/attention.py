@@ -9,13 +9,14 @@ from torch.utils.checkpoint import checkpoint
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (T, head_dim) for the given absolute positions.
+    """cos and sin tables (T, head_dim), or (B, T, head_dim) for per-sequence positions (B, T).
 
     Positions are passed in, not assumed to be 0..T-1, so a rank holding a chunk of a longer
-    sequence (context parallel) rotates its tokens by their global positions.
+    sequence (context parallel) rotates its tokens by their global positions, and packed
+    documents can restart at position 0 each.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, d/2)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, d/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, d): the "rotate half" layout
     return angles.cos(), angles.sin()
 
@@ -26,23 +27,51 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, d) by the tables (T, d)."""
+    """Rotate x (B, H, T, d) by the tables (T, d) or per-sequence tables (B, T, d)."""
+    if cos.dim() == 3:  # one table per sequence: broadcast over the heads
+        cos, sin = cos[:, None], sin[:, None]
     return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)).to(x.dtype)
+
+
+def document_causal_mask(query_docs: torch.Tensor, key_docs: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, 1, Tq, Tk): key j is visible to query i when it is not later and in the same document.
+
+    query_docs (B, Tq), key_docs (B, Tk): document index of each token; query_pos (Tq,),
+    key_pos (Tk,): the tokens' indices in the whole sequence (causality).
+    """
+    same = query_docs[:, :, None] == key_docs[:, None, :]  # (B, Tq, Tk)
+    causal = query_pos[:, None] >= key_pos[None, :]  # (Tq, Tk)
+    return (same & causal)[:, None]
+
+
+def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) position of every token inside its document: 0 at each document's first token."""
+    T = documents.shape[1]
+    index = torch.arange(T, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # start of each token's document
+    return index - first
 
 
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask, for q (B, Hq, T, d) and k, v (B, Hkv, T, d).
 
+    documents (B, T), when given, holds the document index of every token of the sequences
+    (packed documents): attention then also stays inside each document.
     A module of its own so that context parallelism can swap in a distributed version and
     selective recomputation can recompute exactly this part.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         repeat = q.shape[1] // k.shape[1]
         if repeat > 1:  # grouped-query attention: each key/value head serves `repeat` query heads
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if documents is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        pos = torch.arange(q.shape[2], device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(documents, documents, pos, pos))
 
 
 class Attention(nn.Module):
@@ -59,7 +88,10 @@ class Attention(nn.Module):
         self.core = AttentionCore()
         self.recompute_core = False  # selective recomputation: keep no attention internals
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """documents: (B, T_full) document index of every token of the whole sequences, or None."""
         d = self.head_dim
         q = self.wq(x)  # (B, T, Hq*d) -- T may grow here under sequence parallel
         k = self.wk(x)
@@ -71,8 +103,8 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+            y = checkpoint(self.core, q, k, v, documents, use_reentrant=False)
         else:
-            y = self.core(q, k, v)  # (B, Hq, T, d)
+            y = self.core(q, k, v, documents)  # (B, Hq, T, d)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.wo(y)

@@ -79,17 +79,21 @@ class Block(nn.Module):
         self.mlp = build_mlp(config, index)
         self.recompute_full = False  # full recomputation: keep only the block's input
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.attn(self.attn_norm(x), (cos, sin))
+    def _forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.attn(self.attn_norm(x), (cos, sin), documents)
         out = self.mlp(self.mlp_norm(x))
         if isinstance(out, tuple):  # MoE: (output, auxiliary loss)
             return x + out[0], out[1]
         return x + out, None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.recompute_full and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope[0], rope[1], use_reentrant=False)
-        return self._forward(x, rope[0], rope[1])
+            return checkpoint(self._forward, x, rope[0], rope[1], documents, use_reentrant=False)
+        return self._forward(x, rope[0], rope[1], documents)
 
 
 class Transformer(nn.Module):
@@ -130,11 +134,13 @@ class Transformer(nn.Module):
         return F.linear(x, self.embed.weight)
 
     def forward(
-        self, inputs: torch.Tensor, positions: torch.Tensor | None = None
+        self, inputs: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """inputs: token ids (B, T) with an embedding, hidden states (B, T, C) without.
 
-        positions: absolute positions (T,) of this rank's tokens; 0..T-1 by default.
+        positions: absolute positions (T,) of this rank's tokens; 0..T-1 by default; or (B, T)
+        positions inside each packed document. documents: (B, T_full) document index of every
+        token of the whole sequences (attention stays inside documents), or None.
         """
         x = self.embed(inputs) if self.embed is not None else inputs
         if positions is None:
@@ -142,7 +148,7 @@ class Transformer(nn.Module):
         rope = self.rope(positions)
         aux = None
         for block in self.layers.values():
-            x, layer_aux = block(x, rope)
+            x, layer_aux = block(x, rope, documents)
             if layer_aux is not None:
                 aux = layer_aux if aux is None else aux + layer_aux
         if self.has_head:

@@ -17,6 +17,11 @@ mask, which stays exact across chunks. Three attention algorithms (`layout.cp_al
 - "ulysses": an all-to-all turns sequence-split Q/K/V into head-split Q/K/V of the whole
   sequence, attention runs locally, and an all-to-all turns the output back.
 
+Packed documents (`data.document_mask`): every core receives the document index of every
+token of the whole sequences (B, T) and adds "same document" to its causal mask, in global
+positions. The ring builds the mask of each K/V block it holds (Tq x Tk, never s x s), passes
+it to the fused CPU kernel, and skips a block in which no query sees any key.
+
 Gradients of replicated parameters are summed over dp x cp by the data-parallel optimizer:
 each rank's loss is its own tokens' CE sum over the tokens of the global batch.
 """
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 
 from ..config import Config
 from ..mesh import Axis, Mesh
+from ..model.attention import document_causal_mask, positions_in_documents
 from . import comm
 
 ZIGZAG_ALGORITHMS = ("ring",)
@@ -66,9 +72,13 @@ def sequence_sharder(mesh: Mesh, config: Config) -> Callable:
 
     algorithm, cp, rank = config.layout.cp_algorithm, mesh.cp.size, mesh.cp.rank
 
-    def shard(inputs: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
+    def shard(inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None) -> MicroBatch:
         positions = local_positions(algorithm, cp, rank, inputs.shape[1]).to(inputs.device)
-        return MicroBatch(inputs[:, positions], targets[:, positions], positions)
+        if documents is None:
+            return MicroBatch(inputs[:, positions], targets[:, positions], positions)
+        # RoPE restarts at each document; the cores keep every token's document to mask with.
+        in_document = positions_in_documents(documents)[:, positions]
+        return MicroBatch(inputs[:, positions], targets[:, positions], in_document, documents, positions)
 
     return shard
 
@@ -91,40 +101,58 @@ def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean visibility mask as the fused kernel takes it: 0 where visible, -inf elsewhere."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, Hq, Tq, d) on one K/V block (B, Hkv, Tk, d).
 
-    causal: the block is the queries' own (same positions, mask j > i). Returns the block's
-    normalised output (B, Hq, Tq, d) and its log-sum-exp (B, Hq, Tq).
+    causal: the block is the queries' own (same positions, mask j > i). mask: boolean
+    (B, 1, Tq, Tk) visibility instead (packed documents); a query that sees no key of the
+    block gets output 0 and log-sum-exp -inf, so merging the block leaves it unchanged.
+    Returns the block's normalised output (B, Hq, Tq, d) and its log-sum-exp (B, Hq, Tq).
     """
-    if _fused_cpu(q):
-        Hq = q.shape[1]
-        k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.contiguous(), k, v, 0.0, causal)
-    return block_forward_reference(q, k, v, causal)
+    if not _fused_cpu(q):
+        return block_forward_reference(q, k, v, causal, mask)
+    Hq = q.shape[1]
+    k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.contiguous(), k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype)
+    )
+    if mask is not None:  # the kernel reports lse 0 for a query that sees nothing
+        blind = ~mask.any(dim=-1)  # (B, 1, Tq)
+        out, lse = out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, float("-inf"))
+    return out, lse
 
 
 def block_forward_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`block_forward` in plain tensor operations (any device): materialises the block's scores."""
     B, Hq, Tq, d = q.shape
-    scores = _block_scores(q, k, causal)  # (B, Hkv, rep, Tq, Tk)
+    scores = _block_scores(q, k, causal, mask)  # (B, Hkv, rep, Tq, Tk)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
+    finite_lse = lse.masked_fill(lse.isinf(), 0.0)  # a query that sees nothing: probabilities 0, not NaN
+    probs = torch.exp(scores - finite_lse[..., None])
     out = probs @ v[:, :, None]  # (B, Hkv, rep, Tq, d)
     return out.reshape(B, Hq, Tq, d), lse.reshape(B, Hq, Tq)
 
 
-def _block_scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+def _block_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = (_group_heads(q, k.shape[1]) @ k[:, :, None].transpose(-1, -2)) * scale  # (B, Hkv, rep, Tq, Tk)
     if causal:
         Tq, Tk = scores.shape[-2:]
         future = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu_(1)
         scores = scores.masked_fill(future, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # (B, 1, 1, Tq, Tk) over heads
     return scores
 
 
@@ -143,6 +171,7 @@ def block_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's share of the gradients, given the final output and lse of the queries.
 
@@ -150,12 +179,12 @@ def block_backward(
     """
     if not _fused_cpu(q):
         delta = (grad_out * out).sum(dim=-1)
-        return block_backward_reference(q, k, v, grad_out, lse, delta, causal)
+        return block_backward_reference(q, k, v, grad_out, lse, delta, causal, mask)
     B, Hq, Tq, d = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q.contiguous(), k, v, out, lse, 0.0, causal
+        grad_out, q.contiguous(), k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype)
     )
     fold = (B, Hkv, Hq // Hkv, Tk, d)  # sum the gradients of repeated key/value heads
     return dq, dk.reshape(fold).sum(dim=2), dv.reshape(fold).sum(dim=2)
@@ -169,6 +198,7 @@ def block_backward_reference(
     lse: torch.Tensor,
     delta: torch.Tensor,
     causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block's contribution, from the final output's lse and delta = rowsum(dO * O).
 
@@ -177,7 +207,7 @@ def block_backward_reference(
     B, Hq, Tq, d = q.shape
     Hkv = k.shape[1]
     scale = 1.0 / math.sqrt(d)
-    scores = _block_scores(q, k, causal)  # (B, Hkv, rep, Tq, Tk)
+    scores = _block_scores(q, k, causal, mask)  # (B, Hkv, rep, Tq, Tk)
     probs = torch.exp(scores - _group_heads(lse[..., None], Hkv))  # the final softmax restricted to this block
     grad_out5 = _group_heads(grad_out, Hkv)  # (B, Hkv, rep, Tq, d)
     dv = (probs.transpose(-1, -2) @ grad_out5).sum(dim=2)  # (B, Hkv, Tk, d)
@@ -237,12 +267,12 @@ class _RingAttention(torch.autograd.Function):
     """Causal ring attention over zigzag chunks; q (B, Hq, T, d), k, v (B, Hkv, T, d) local."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis: Axis):
+    def forward(ctx, q, k, v, axis: Axis, documents: torch.Tensor | None = None):
         dtype = _compute_dtype(q)
         q32, kv = q.to(dtype), torch.cat([k, v], dim=1).to(dtype).contiguous()  # (B, 2Hkv, T, d)
         with _autocast_off(q.device.type):
-            out, lse = _ring_forward(q32, kv, axis)
-        ctx.axis = axis
+            out, lse = _ring_forward(q32, kv, axis, documents)
+        ctx.axis, ctx.documents = axis, documents
         ctx.save_for_backward(q32, kv, out, lse)
         return out.to(q.dtype)
 
@@ -250,13 +280,41 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, kv, out, lse = ctx.saved_tensors
         with _autocast_off(q.device.type):
-            dq, dkv = _ring_backward(q, kv, out, lse, grad_out.to(q.dtype), ctx.axis)
+            dq, dkv = _ring_backward(q, kv, out, lse, grad_out.to(q.dtype), ctx.axis, ctx.documents)
         Hkv = kv.shape[1] // 2
         dk, dv = dkv.split(Hkv, dim=1)
-        return dq.to(grad_out.dtype), dk.to(grad_out.dtype), dv.to(grad_out.dtype), None
+        return dq.to(grad_out.dtype), dk.to(grad_out.dtype), dv.to(grad_out.dtype), None, None
 
 
-def _ring_forward(q: torch.Tensor, kv: torch.Tensor, axis: Axis) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_block_mask(
+    documents: torch.Tensor | None, source: int, rank: int, cp: int, rows: slice, cols: slice
+) -> torch.Tensor | None:
+    """Visibility (B, 1, Tq, Tk) of block `source`'s keys for this rank's queries with packed documents.
+
+    documents: (B, T) document index of every token of the whole sequences. The block's
+    causal structure comes from the zigzag layout; the mask adds "same document". None
+    without documents (the block's `causal` flag says everything).
+    """
+    if documents is None:
+        return None
+    seq_len = documents.shape[1]
+    q_pos = local_positions("ring", cp, rank, seq_len).to(documents.device)[rows]
+    k_pos = local_positions("ring", cp, source, seq_len).to(documents.device)[cols]
+    return document_causal_mask(documents[:, q_pos], documents[:, k_pos], q_pos, k_pos)
+
+
+def _ring_block(documents: torch.Tensor | None, source: int, rank: int, cp: int, local_len: int):
+    """(rows, cols, causal, mask, skip) of one ring step; skip: no query sees any key of the block."""
+    rows, cols, causal = zigzag_block(source, rank, local_len)
+    mask = ring_block_mask(documents, source, rank, cp, rows, cols)
+    if mask is None:
+        return rows, cols, causal, None, False
+    return rows, cols, False, mask, not bool(mask.any())  # the mask holds the causal part too
+
+
+def _ring_forward(
+    q: torch.Tensor, kv: torch.Tensor, axis: Axis, documents: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     n, r, T = axis.size, axis.rank, q.shape[2]
     Hkv = kv.shape[1] // 2
     out = torch.zeros_like(q)
@@ -265,17 +323,19 @@ def _ring_forward(q: torch.Tensor, kv: torch.Tensor, axis: Axis) -> tuple[torch.
     for step in range(n):
         # Post the next block's transfer first, so it travels while this one is computed.
         incoming, works = _exchange(axis, current, "ring_kv") if step < n - 1 else (None, [])
-        rows, cols, causal = zigzag_block((r - step) % n, r, T)
-        k, v = current[:, :Hkv, cols], current[:, Hkv:, cols]
-        block_out, block_lse = block_forward(q[:, :, rows], k, v, causal)
-        merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        rows, cols, causal, mask, skip = _ring_block(documents, (r - step) % n, r, n, T)
+        if not skip:  # a block wholly in other documents contributes nothing: not computed
+            k, v = current[:, :Hkv, cols], current[:, Hkv:, cols]
+            block_out, block_lse = block_forward(q[:, :, rows], k, v, causal, mask)
+            merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         _wait(works)
         current = incoming
     return out, lse
 
 
 def _ring_backward(
-    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, axis: Axis
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, axis: Axis,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V blocks circulate as in the forward; each block's dK/dV accumulator travels with it.
 
@@ -288,15 +348,17 @@ def _ring_backward(
     current, acc_in, acc_works = kv, None, []
     for step in range(n):
         incoming, kv_works = _exchange(axis, current, "ring_kv") if step < n - 1 else (None, [])
-        rows, cols, causal = zigzag_block((r - step) % n, r, T)
-        dq_b, dk_b, dv_b = block_backward(
-            q[:, :, rows], current[:, :Hkv, cols], current[:, Hkv:, cols],
-            grad_out[:, :, rows].contiguous(), out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal,
-        )
-        dq[:, :, rows] += dq_b
+        rows, cols, causal, mask, skip = _ring_block(documents, (r - step) % n, r, n, T)
         contribution = torch.zeros_like(kv)
-        contribution[:, :Hkv, cols] = dk_b
-        contribution[:, Hkv:, cols] = dv_b
+        if not skip:
+            dq_b, dk_b, dv_b = block_backward(
+                q[:, :, rows], current[:, :Hkv, cols], current[:, Hkv:, cols],
+                grad_out[:, :, rows].contiguous(), out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(),
+                causal, mask,
+            )
+            dq[:, :, rows] += dq_b
+            contribution[:, :Hkv, cols] = dk_b
+            contribution[:, Hkv:, cols] = dv_b
         _wait(acc_works)  # the accumulator of the block held now (posted last step)
         acc = contribution if acc_in is None else acc_in + contribution
         acc_in, acc_works = _exchange(axis, acc, "ring_dkv")
@@ -313,8 +375,8 @@ class RingAttentionCore(nn.Module):
         super().__init__()
         self.axis = axis
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self.axis)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self.axis, documents)
 
 
 # ----------------------------------------------------------------------------- all-gather K/V
@@ -337,13 +399,16 @@ class AllGatherKVCore(nn.Module):
         super().__init__()
         self.axis = axis
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         n, T, Hkv = self.axis.size, q.shape[2], k.shape[1]
         kv = torch.cat([k, v], dim=1)  # (B, 2Hkv, T, d): one collective for both
         kv = comm.all_gather_to_full(kv, self.axis, dim=2)  # (B, 2Hkv, n*T, d); backward: reduce-scatter
         q_pos = torch.arange(self.axis.rank * T, (self.axis.rank + 1) * T, device=q.device)
         k_pos = torch.arange(n * T, device=q.device)
-        visible = q_pos[:, None] >= k_pos[None, :]  # (T, n*T) exact causal mask in global positions
+        if documents is None:
+            visible = q_pos[:, None] >= k_pos[None, :]  # (T, n*T) exact causal mask in global positions
+        else:
+            visible = document_causal_mask(documents[:, q_pos], documents, q_pos, k_pos)  # (B, 1, T, n*T)
         return _local_attention(q, kv[:, :Hkv], kv[:, Hkv:], visible)
 
 
@@ -385,7 +450,7 @@ class UlyssesCore(nn.Module):
         super().__init__()
         self.axis = axis
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         n = self.axis.size
         B, Hq, T, d = q.shape
         k, v = _expand_kv_for_ulysses(k, n), _expand_kv_for_ulysses(v, n)
@@ -394,7 +459,11 @@ class UlyssesCore(nn.Module):
         qkv = torch.cat([t.reshape(B, n, -1, T, d) for t in (q, k, v)], dim=2)  # (B, n, hq+2hkv, T, d)
         qkv = _seq_to_heads(qkv.reshape(B, -1, T, d), self.axis)  # (B, hq+2hkv, n*T, d)
         q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-        y = _local_attention(q, k, v)  # (B, hq, n*T, d): whole sequences, positions in order
+        mask = None
+        if documents is not None:
+            pos = torch.arange(n * T, device=q.device)
+            mask = document_causal_mask(documents, documents, pos, pos)  # (B, 1, n*T, n*T)
+        y = _local_attention(q, k, v, mask)  # (B, hq, n*T, d): whole sequences, positions in order
         return _heads_to_seq(y, self.axis)
 
 

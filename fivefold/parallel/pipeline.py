@@ -326,7 +326,7 @@ class PipelineRunner:
         device = self.model.extras.get("device", torch.device("cpu"))
         train = self.config.train
         with self._count_saved(chunk) as saved, autocast_for(self.config, device):
-            out, aux = chunk(x, batch.positions)
+            out, aux = chunk(x, batch.positions, batch.documents)
             ce = self.model.loss_fn(out, batch.targets) if stage == self.last_stage else None
         if ce is not None:
             st.loss_sum += ce.detach().double()

@@ -1,0 +1,124 @@
+"""Document masking: attention stays inside packed documents, positions restart, in every layout."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from fivefold.config import load_config
+from fivefold.model.attention import document_causal_mask, positions_in_documents
+from fivefold.parallel.context_parallel import _ring_block, block_forward, block_forward_reference, local_positions
+from fivefold.parity import with_layout
+from helpers import many_layout_parity
+
+
+def _documents_jsonl(path, count: int, seed: int) -> None:
+    """Documents of 2..60 characters: most sequences of 32 tokens hold several, some span two."""
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    with open(path, "w") as f:
+        for _ in range(count):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
+            f.write(json.dumps({"text": text}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from fivefold.prepare import prepare
+
+    root = tmp_path_factory.mktemp("docmask")
+    _documents_jsonl(root / "docs.jsonl", 400, seed=1)
+    prepare([str(root / "docs.jsonl")], root / "prepared", workers=1)
+    return str(root / "prepared")
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory):
+    """Documents of exactly 8 tokens (7 letters + EOS): each zigzag chunk of cp=2 is one document."""
+    from fivefold.prepare import prepare
+
+    root = tmp_path_factory.mktemp("aligned")
+    rng = random.Random(2)
+    lines = [json.dumps({"text": "".join(rng.choice("abcdefgh") for _ in range(7))}) for _ in range(200)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare([str(root / "docs.jsonl")], root / "prepared", workers=1)
+    return str(root / "prepared")
+
+
+def _config(prepared: str, preset: str = "tiny"):
+    return load_config(preset, [f"data.source={prepared}", "data.document_mask=true", "train.seq_len=32"])
+
+
+def test_positions_restart_at_each_document():
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 6, 6]])
+    assert positions_in_documents(docs).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]]
+    pos = torch.arange(8)
+    mask = document_causal_mask(docs, docs, pos, pos)[0, 0]
+    assert mask[4].tolist() == [False, False, False, True, True, False, False, False]
+
+
+def test_masked_fused_block_equals_reference_and_fully_masked_queries_merge_as_nothing():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.rand(2, 1, 6, 5) > 0.5
+    mask[:, :, 2] = False  # a query that sees no key of this block
+    out, lse = block_forward(q, k, v, False, mask)
+    ref_out, ref_lse = block_forward_reference(q, k, v, False, mask)
+    assert torch.isneginf(lse[:, :, 2]).all() and (out[:, :, 2] == 0).all()
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_ring_skips_blocks_wholly_in_other_documents():
+    cp, seq = 2, 16
+    one_document_per_chunk = torch.arange(seq).div(seq // (2 * cp), rounding_mode="floor")[None]  # (1, 16)
+    skipped = [_ring_block(one_document_per_chunk, (r - s) % cp, r, cp, seq // cp)[4] for r in range(cp) for s in range(cp)]
+    assert skipped == [False, True, False, True]  # own blocks computed, every other block skipped
+    whole = torch.zeros(1, seq, dtype=torch.long)
+    assert not any(_ring_block(whole, (r - s) % cp, r, cp, seq // cp)[4] for r in range(cp) for s in range(cp))
+    assert local_positions("ring", cp, 0, seq).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def test_attention_does_not_cross_documents(prepared):
+    """Changing one document's tokens leaves the logits of every other document unchanged."""
+    from fivefold.model import build_model
+    from fivefold.loader import open_training_data
+
+    config = _config(prepared)
+    _, sampler = open_training_data(config)
+    inputs, _, documents = sampler.local_rows_at(0, 0, 1)
+    model = build_model(config.model, seed=0)
+    positions = positions_in_documents(documents)
+    row = int(torch.nonzero(documents[:, 0] != documents[:, -1])[0])  # a sequence holding several documents
+    first = documents[row] == documents[row, 0]
+    changed = inputs.clone()
+    changed[row, first] = (changed[row, first] + 7) % 256
+    with torch.no_grad():
+        a, _ = model(inputs, positions, documents)
+        b, _ = model(changed, positions, documents)
+        unmasked, _ = model(changed, positions)
+    assert torch.equal(a[row, ~first], b[row, ~first])  # bitwise: no path from the first document
+    assert not torch.allclose(a[row, first], b[row, first])
+    assert not torch.allclose(unmasked[row, ~first], b[row, ~first])  # without the mask it would leak
+
+
+def test_document_mask_parity_in_every_layout(pools, reference, prepared, aligned):
+    from fivefold.loader import open_training_data
+
+    dense, moe = _config(prepared), _config(prepared, "tiny-moe")
+    _, sampler = open_training_data(_config(aligned))
+    documents = sampler.local_rows_at(0, 0, 1)[2]
+    assert _ring_block(documents, 1, 0, 2, 16)[4]  # the aligned data makes the ring skip blocks
+    configs = [
+        with_layout(dense, cp=2, cp_algorithm="ring"),
+        with_layout(_config(aligned), cp=2, cp_algorithm="ring"),
+        with_layout(dense, cp=2, cp_algorithm="allgather"),
+        with_layout(dense, cp=2, cp_algorithm="ulysses"),
+        with_layout(dense, tp=2, sequence_parallel=True),
+        with_layout(dense, pp=2, grad_accum=2),
+        with_layout(moe, dp=2, ep=2),
+    ]
+    many_layout_parity(pools, reference, configs, steps=2)
