@@ -46,7 +46,7 @@ from .layout import LayoutError, rank_to_coords, validate
 from .memory import HeldMemory, held_memory
 from .planner import HARDWARE, Hardware
 from .planner.bridge import layout_spec
-from .planner.auto import model_spec
+from .planner.bridge import model_spec
 from .planner.stages import StagePlan, stage_plans
 
 # comm.py's axes as the planner names them ("world" carries loss reporting and the global

@@ -16,46 +16,13 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .config import Config
 from .mesh import Mesh
 from .model import Transformer
-from .model.attention import positions_in_documents
 from .parallel.optim import AdamWSettings, ReplicatedAdamW, TrainingOptimizer
 from .parallel.sharding import materialize
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as this rank sees it: its tokens, targets and their absolute positions.
-
-    With document masking, positions restart at each packed document and `documents` holds
-    the document index of every token of the whole sequences (attention stays inside them).
-    """
-
-    inputs: torch.Tensor  # (b, t) token ids
-    targets: torch.Tensor  # (b, t)
-    positions: torch.Tensor  # (t,) positions of these tokens in their sequences, (b, t) in their documents
-    documents: torch.Tensor | None = None  # (b, T) document index of each token of the whole sequences
-    indices: torch.Tensor | None = None  # (t,) with documents: these tokens' positions in their sequences
-
-    @property
-    def sequence_positions(self) -> torch.Tensor:
-        """(t,) positions of this rank's tokens in their sequences, with or without documents."""
-        return self.positions if self.indices is None else self.indices
-
-
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of token losses: the caller divides by the tokens of the global batch."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-
-
-def whole_sequence(inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None = None) -> MicroBatch:
-    if documents is None:
-        return MicroBatch(inputs, targets, torch.arange(inputs.shape[1], device=inputs.device))
-    indices = torch.arange(inputs.shape[1], device=inputs.device)
-    return MicroBatch(inputs, targets, positions_in_documents(documents), documents, indices)
+from .step import MicroBatch, cross_entropy_sum, whole_sequence
 
 
 @dataclass

@@ -65,7 +65,7 @@ def predict_run(config: Config, device: torch.device) -> dict[str, Any]:
     for want of a prediction.
     """
     from .planner import LayoutSpec, PlanError, estimate
-    from .planner.auto import model_spec
+    from .planner.bridge import model_spec
 
     layout, train = config.layout, config.train
     hardware = hardware_for(device)

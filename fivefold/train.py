@@ -25,7 +25,8 @@ from .mesh import Mesh
 from .metrics import PhaseClock, flatten_scalars, mfu
 from .parallel import comm
 from .parallel.optim import lr_at
-from .parallelize import MicroBatch, ParallelModel, parallelize
+from .parallelize import ParallelModel, parallelize
+from .step import MicroBatch, autocast_for, sequence_scale, token_scale
 
 
 @dataclass
@@ -43,12 +44,6 @@ class StepResult:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the step (PhaseClock)
 
 
-def autocast_for(config: Config, device: torch.device) -> contextlib.AbstractContextManager:
-    if config.train.dtype == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def local_micro_batches(model: ParallelModel, sampler: Sampler, step: int) -> list[MicroBatch]:
     """This rank's micro-batches of step `step`: its data-parallel rows, its sequence chunk."""
     mesh, layout = model.mesh, model.config.layout
@@ -63,8 +58,7 @@ def local_micro_batches(model: ParallelModel, sampler: Sampler, step: int) -> li
 def forward_backward(model: ParallelModel, batches: list[MicroBatch], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradient accumulation without a pipeline. Returns this rank's (loss sum, aux sum), detached."""
     train = model.config.train
-    token_scale = 1.0 / (train.global_batch * train.seq_len)
-    sequence_scale = 1.0 / train.global_batch
+    tokens, sequences = token_scale(train), sequence_scale(train)
     chunk = model.chunks[0]
     loss_sum = torch.zeros((), dtype=torch.float64)
     aux_sum = torch.zeros((), dtype=torch.float64)
@@ -75,9 +69,9 @@ def forward_backward(model: ParallelModel, batches: list[MicroBatch], device: to
             with autocast_for(model.config, device):
                 logits, aux = chunk(mb.inputs, mb.positions, mb.documents)
                 ce = model.loss_fn(logits, mb.targets)
-            loss = ce * token_scale
+            loss = ce * tokens
             if aux is not None:
-                loss = loss + aux * sequence_scale
+                loss = loss + aux * sequences
                 aux_sum += aux.detach().double().cpu()
             loss.backward()
         loss_sum += ce.detach().double().cpu()

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ..config import Config
 from ..mesh import Axis, Mesh
 from ..model.attention import document_causal_mask, positions_in_documents
+from ..step import MicroBatch
 from . import comm
 
 ZIGZAG_ALGORITHMS = ("ring",)
@@ -68,7 +69,6 @@ def local_positions(algorithm: str, cp: int, rank: int, seq_len: int) -> torch.T
 
 def sequence_sharder(mesh: Mesh, config: Config) -> Callable:
     """fn(inputs (b, T), targets (b, T)) -> MicroBatch of this cp rank's tokens and positions."""
-    from ..parallelize import MicroBatch
 
     algorithm, cp, rank = config.layout.cp_algorithm, mesh.cp.size, mesh.cp.rank
 

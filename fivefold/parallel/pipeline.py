@@ -36,6 +36,7 @@ from ..mesh import Mesh
 from ..model import Transformer
 from . import comm
 from .schedules import Action, ActionKind, build_schedule, group_steps, stage_of
+from ..step import autocast_for, sequence_scale, token_scale
 from .sharding import get_placement, set_placement
 
 K = ActionKind
@@ -315,8 +316,6 @@ class PipelineRunner:
     # --------------------------------------------------------------------------- compute
 
     def _forward(self, action: Action, st: _StepState, training: bool) -> None:
-        from ..train import autocast_for
-
         key, chunk = (action.microbatch, action.chunk), self.chunks[action.chunk]
         stage = stage_of(self.rank, action.chunk, self.pp)
         batch = st.micro_batches[action.microbatch]
@@ -336,9 +335,9 @@ class PipelineRunner:
             if ce is None:
                 st.units[key] = _Unit(None, [], out.to(self.boundary_dtype))
             return
-        aux_loss = [aux / train.global_batch] if aux is not None else []
+        aux_loss = [aux * sequence_scale(train)] if aux is not None else []
         if ce is not None:
-            loss = ce / (train.global_batch * train.seq_len)
+            loss = ce * token_scale(train)
             heads, output = [loss + aux_loss[0] if aux_loss else loss], None
         else:
             output = out.to(self.boundary_dtype)
