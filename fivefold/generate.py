@@ -3,38 +3,83 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
-from .config import config_from_dict
+from .config import Config, config_from_dict
 from .data import load_tokenizer
 from .model import Transformer
+
+
+_RUNTIME_BUFFERS = ("tokens_per_expert", "dropped_slots")  # per-step statistics, not saved
 
 
 class RunDirError(ValueError):
     """A run directory without usable weights; the message says what is missing."""
 
 
-def load_trained(run_dir: str | Path) -> tuple[Transformer, object]:
-    from safetensors.torch import load_file
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a signed 64-bit seed
 
+
+def check_sampling_args(max_new_tokens: int, temperature: float, seed: int) -> None:
+    """Refuse sampling settings that have no meaning, naming the flag."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={max_new_tokens} must be 0 or more")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"--temperature={temperature} must be a finite number >= 0 (0 picks the likeliest token)")
+    if not -SEED_LIMIT <= seed < SEED_LIMIT:
+        raise ValueError(f"--seed={seed} must fit in 64 bits (between {-SEED_LIMIT} and {SEED_LIMIT - 1})")
+
+
+def _read_config(path: Path) -> Config:
+    try:
+        return config_from_dict(json.loads(path.read_text()))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise RunDirError(f"{path} is not the config.json of a run: {err}") from None
+
+
+def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
+    """The saved tensors, after their shapes (from the file header) were checked against the config."""
+    from safetensors import safe_open
+
+    from .parallel.sharding import full_shapes
+
+    expected = {n: s for n, s in full_shapes(config.model).items() if not n.endswith(_RUNTIME_BUFFERS)}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            problems = [f"{n}: file {list(shapes[n])}, config {list(s)}" for n, s in expected.items()
+                        if n in shapes and shapes[n] != s]
+            missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+            if problems or missing or unexpected:
+                raise RunDirError(f"{path} does not match the model in config.json: " + "; ".join(
+                    problems[:3] + ([f"missing {missing[:5]}"] if missing else [])
+                    + ([f"unexpected {unexpected[:5]}"] if unexpected else [])))
+            return {key: handle.get_tensor(key) for key in shapes}
+    except RunDirError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for a malformed file
+        raise RunDirError(f"{path} cannot be read as safetensors weights: {err}") from None
+
+
+def load_trained(run_dir: str | Path) -> tuple[Transformer, object]:
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"--run {run_dir} is not a folder; give the run folder of a finished training run")
     weights, cfg = run_dir / "model.safetensors", run_dir / "config.json"
     for path in (weights, cfg):
         if not path.is_file():
-            raise RunDirError(f"{path} is missing; train first (fivefold train --train.run_dir {run_dir})")
-    config = config_from_dict(json.loads(cfg.read_text()))
+            raise RunDirError(f"{path} is missing; train first (fivefold train --run-dir {run_dir})")
+    config = _read_config(cfg)
+    state = _read_weights(weights, config)
     with torch.device("meta"):
         model = Transformer(config.model)
     model.to_empty(device="cpu")
-    state = load_file(str(weights))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith(("tokens_per_expert", "dropped_slots"))]
-    if missing or unexpected:
-        raise RunDirError(f"{weights} does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(state, strict=False)
     for name, buf in model.named_buffers():
-        if name.endswith(("tokens_per_expert", "dropped_slots")):
+        if name.endswith(_RUNTIME_BUFFERS):
             buf.zero_()
     return model.eval(), config
 
