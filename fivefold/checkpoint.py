@@ -310,8 +310,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-_fsync = fsync_path
-_write_json = write_json  # durably: a side file, flushed to disk, then renamed over the path
 
 
 def _manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -338,10 +336,10 @@ def write_rank_files(
         tensors[f"rng/{kind}"] = value.detach().cpu().contiguous()
     path = directory / rank_file(rank)
     save_file(tensors, str(path))
-    _fsync(path)
+    fsync_path(path)
     info = {"rank": rank, "file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size,
             "entries": index, "rng": sorted(rng)}
-    _write_json(directory / f"rank_{rank:05d}.json", info)
+    write_json(directory / f"rank_{rank:05d}.json", info)
 
 
 def commit(tmp: Path, final: Path, world_size: int, meta: dict[str, Any]) -> None:
@@ -358,12 +356,12 @@ def commit(tmp: Path, final: Path, world_size: int, meta: dict[str, Any]) -> Non
         rng[str(rank)] = info["rng"]
     manifest = {"format": FORMAT, **meta, "world_size": world_size, "files": files, "entries": entries, "rng": rng}
     manifest["checksum"] = _manifest_checksum(manifest)
-    _write_json(tmp / MANIFEST, manifest)
+    write_json(tmp / MANIFEST, manifest)
     replaced = final.with_name(final.name + ".replaced")
     if final.exists():  # an unusable checkpoint of the same step, from before a fallback
         os.replace(final, replaced)
     os.replace(tmp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -499,7 +497,7 @@ def _entry_problem(entry: Any, files: dict[str, Any]) -> str:
         return "lacks its key, state, name or file"
     if entry["file"] not in files:
         return f"names file {entry['file']!r}, which the manifest does not list"
-    shapes = [entry.get(k) for k in ("global_shape", "offsets", "shape")]
+    shapes: list[list[int]] = [entry.get(k) for k in ("global_shape", "offsets", "shape")]  # type: ignore[misc]
     if not all(_counts(v) for v in shapes) or len({len(v) for v in shapes}) != 1:
         return "has malformed global_shape/offsets/shape"
     global_shape, offsets, shape = shapes

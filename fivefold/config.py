@@ -368,11 +368,13 @@ def check_values(config: Config) -> Config:
             raise ConfigError(f"{key} has no value")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} is not a finite number")
-        rule = RANGES.get(key)
+        if key not in RANGES:
+            continue
+        allowed, text = RANGES[key]
         try:
-            allowed = rule is None or rule[0](value)
+            ok = allowed(value)
         except TypeError:  # a value built in code, not through merge(): e.g. a string for a number
             raise ConfigError(f"{key}={value!r} has the wrong type") from None
-        if not allowed:
-            raise ConfigError(f"{key}={value!r} is out of range: it must be {rule[1]}")
+        if not ok:
+            raise ConfigError(f"{key}={value!r} is out of range: it must be {text}")
     return config

@@ -64,7 +64,7 @@ def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
         raise RunDirError(f"{path} cannot be read as safetensors weights: {err}") from None
 
 
-def load_trained(run_dir: str | Path) -> tuple[Transformer, object]:
+def load_trained(run_dir: str | Path) -> tuple[Transformer, Config]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"--run {run_dir} is not a folder; give the run folder of a finished training run")

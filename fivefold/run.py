@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 from pathlib import Path
@@ -15,10 +14,10 @@ import torch.distributed as dist
 from .config import Config
 from .data import Sampler, TokenData, load_tokenizer, load_tokens
 from .layout import validate
-from .mesh import Mesh, device_for
-from .parallel import comm
 from .memory import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
+from .mesh import Mesh, device_for
 from .metrics import DTYPES, model_flops_per_token, parameter_count, peak_flops_for_log
+from .parallel import comm
 from .rundir import RunLock, atomic_write, claim, continues_a_checked_job, default_run_dir, write_json
 from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step

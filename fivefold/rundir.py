@@ -87,7 +87,10 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
 
 
 def write_json(path: Path, value: object) -> Path:
-    return atomic_write(path, lambda side: side.write_text(json.dumps(value, indent=1, sort_keys=True)))
+    def write(side: Path) -> None:
+        side.write_text(json.dumps(value, indent=1, sort_keys=True))
+
+    return atomic_write(path, write)
 
 
 # ----------------------------------------------------------------------------------- the lock
