@@ -91,7 +91,7 @@ from .rundir import describe_write_error, fsync_path, write_errors, write_json
 FORMAT = "fivefold-checkpoint/1"
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
-_RUNTIME_BUFFERS = ("tokens_per_expert", "dropped_slots")  # per-step statistics, not state
+RUNTIME_BUFFERS = ("tokens_per_expert", "dropped_slots")  # per-step statistics, not state
 _STATE_DTYPES = ("F32", "F64", "BF16", "F16")  # parameters and optimizer state are floating point
 
 
@@ -239,14 +239,14 @@ def clip_to_global(spec: ShardSpec, tensor: torch.Tensor) -> tuple[ShardSpec, to
 
 def state_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and persistent buffers (e.g. the router's balancing bias) of one model chunk."""
-    buffers = [(n, b) for n, b in module.named_buffers() if not n.endswith(_RUNTIME_BUFFERS)]
+    buffers = [(n, b) for n, b in module.named_buffers() if not n.endswith(RUNTIME_BUFFERS)]
     return list(module.named_parameters()) + buffers
 
 
 def module_state_tensors(module: nn.Module, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
     """What the modules contribute: everything, or only buffers when the optimizer owns the parameters."""
     if getattr(optimizer, "owns_parameter_shards", False):
-        return [(n, b) for n, b in module.named_buffers() if not n.endswith(_RUNTIME_BUFFERS)]
+        return [(n, b) for n, b in module.named_buffers() if not n.endswith(RUNTIME_BUFFERS)]
     return state_tensors(module)
 
 
@@ -569,6 +569,21 @@ def check_compatible(manifest: dict[str, Any], config: Config, path: Path) -> li
     return notes
 
 
+def check_model_fits(model: ModelConfig, source: Path) -> None:
+    """Refuse a saved config whose full fp32 weights exceed this machine's memory, before sizing
+    any tensor: a forged config must not make the reader build or allocate an impossible model."""
+    from .memory import PARAM_BYTES
+    from .metrics import machine_memory_bytes, parameter_count
+
+    needed = parameter_count(model) * PARAM_BYTES
+    available, what = machine_memory_bytes("cpu")
+    if needed > available:
+        raise IncompatibleCheckpoint(
+            f"{source} describes a model of {parameter_count(model):,} parameters ({needed / 1e9:,.1f} GB of "
+            f"weights), more than this machine's {available / 1e9:,.1f} GB of {what}"
+        )
+
+
 class CheckpointReader:
     """Reads the region of a tensor a rank needs from the shards of a committed checkpoint."""
 
@@ -583,6 +598,7 @@ class CheckpointReader:
         except ValueError as err:
             raise IncompatibleCheckpoint(f"{self.path} holds a config this version cannot use: {err}") from None
         self.skip_optimizer_state = False  # set for weights-only checkpoints: optimizer state stays fresh
+        check_model_fits(self.model_config, self.path)
         self._check_shapes()
 
     def _check_shapes(self) -> None:
@@ -794,10 +810,46 @@ def find_checkpoint(path: Path, step: int | None = None) -> Path | None:
     return None
 
 
+def _read_run_config(path: Path) -> Config:
+    try:
+        return config_from_dict(json.loads(path.read_text()))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not the config.json of a run: {err}") from None
+
+
+def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
+    """The saved tensors, after their shapes (from the file header) were checked against the config."""
+    from safetensors import safe_open
+
+    from .parallel.sharding import full_shapes
+
+    expected = {n: s for n, s in full_shapes(config.model).items() if not n.endswith(RUNTIME_BUFFERS)}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            problems = [f"{n}: file {list(shapes[n])}, config {list(s)}" for n, s in expected.items()
+                        if n in shapes and shapes[n] != s]
+            missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+            if problems or missing or unexpected:
+                raise CheckpointError(f"{path} does not match the model in config.json: " + "; ".join(
+                    problems[:3] + ([f"missing {missing[:5]}"] if missing else [])
+                    + ([f"unexpected {unexpected[:5]}"] if unexpected else [])))
+            return {key: handle.get_tensor(key) for key in shapes}
+    except CheckpointError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for a malformed file
+        raise CheckpointError(f"{path} cannot be read as safetensors weights: {err}") from None
+
+
+def read_final_weights(run_dir: Path) -> tuple[Config, dict[str, torch.Tensor]]:
+    """The final weights a run saved (model.safetensors + config.json), checked against that config."""
+    config = _read_run_config(Path(run_dir) / "config.json")
+    check_model_fits(config.model, Path(run_dir) / "config.json")
+    return config, _read_weights(Path(run_dir) / "model.safetensors", config)
+
+
 def full_state_of_run(path: Path, step: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Full tensors of a run's newest checkpoint, or of its final model.safetensors."""
-    from safetensors.torch import load_file
-
     from .parallel.sharding import full_shapes
 
     found = find_checkpoint(path, step)
@@ -806,10 +858,10 @@ def full_state_of_run(path: Path, step: int | None = None) -> tuple[ModelConfig,
         reader = CheckpointReader(found, manifest)
         model_config = reader.model_config
         return model_config, {name: reader.read_full(name) for name in full_shapes(model_config)}
-    weights, config_path = Path(path) / "model.safetensors", Path(path) / "config.json"
-    if not (weights.is_file() and config_path.is_file()):
+    if not ((Path(path) / "model.safetensors").is_file() and (Path(path) / "config.json").is_file()):
         raise CheckpointError(f"{path} has neither a checkpoint nor model.safetensors + config.json")
-    return config_from_dict(json.loads(config_path.read_text())).model, load_file(str(weights))
+    config, state = read_final_weights(Path(path))
+    return config.model, state
 
 
 def check_export_target(out: Path) -> None:

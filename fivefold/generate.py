@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
-from .config import Config, config_from_dict
+from .checkpoint import RUNTIME_BUFFERS, read_final_weights
+from .config import Config
 from .data import load_tokenizer
 from .model import Transformer
-
-
-_RUNTIME_BUFFERS = ("tokens_per_expert", "dropped_slots")  # per-step statistics, not saved
 
 
 class RunDirError(ValueError):
@@ -33,37 +30,6 @@ def check_sampling_args(max_new_tokens: int, temperature: float, seed: int) -> N
         raise ValueError(f"--seed={seed} must fit in 64 bits (between {-SEED_LIMIT} and {SEED_LIMIT - 1})")
 
 
-def _read_config(path: Path) -> Config:
-    try:
-        return config_from_dict(json.loads(path.read_text()))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise RunDirError(f"{path} is not the config.json of a run: {err}") from None
-
-
-def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
-    """The saved tensors, after their shapes (from the file header) were checked against the config."""
-    from safetensors import safe_open
-
-    from .parallel.sharding import full_shapes
-
-    expected = {n: s for n, s in full_shapes(config.model).items() if not n.endswith(_RUNTIME_BUFFERS)}
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
-            problems = [f"{n}: file {list(shapes[n])}, config {list(s)}" for n, s in expected.items()
-                        if n in shapes and shapes[n] != s]
-            missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
-            if problems or missing or unexpected:
-                raise RunDirError(f"{path} does not match the model in config.json: " + "; ".join(
-                    problems[:3] + ([f"missing {missing[:5]}"] if missing else [])
-                    + ([f"unexpected {unexpected[:5]}"] if unexpected else [])))
-            return {key: handle.get_tensor(key) for key in shapes}
-    except RunDirError:
-        raise
-    except Exception as err:  # safetensors raises its own error types for a malformed file
-        raise RunDirError(f"{path} cannot be read as safetensors weights: {err}") from None
-
-
 def load_trained(run_dir: str | Path) -> tuple[Transformer, Config]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -72,14 +38,13 @@ def load_trained(run_dir: str | Path) -> tuple[Transformer, Config]:
     for path in (weights, cfg):
         if not path.is_file():
             raise RunDirError(f"{path} is missing; train first (fivefold train --run-dir {run_dir})")
-    config = _read_config(cfg)
-    state = _read_weights(weights, config)
+    config, state = read_final_weights(run_dir)
     with torch.device("meta"):
         model = Transformer(config.model)
     model.to_empty(device="cpu")
     model.load_state_dict(state, strict=False)
     for name, buf in model.named_buffers():
-        if name.endswith(_RUNTIME_BUFFERS):
+        if name.endswith(RUNTIME_BUFFERS):
             buf.zero_()
     return model.eval(), config
 

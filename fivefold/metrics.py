@@ -76,6 +76,17 @@ def parameter_count(m: ModelConfig) -> int:
     return layers + embeddings + m.hidden  # + the final norm
 
 
+def machine_memory_bytes(device: str = "cpu") -> tuple[int, str]:
+    """Memory one machine offers a run, and what it is: the memory of its GPUs, or its RAM."""
+    import os
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        count = torch.cuda.device_count()
+        total = sum(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+        return total, f"{count} GPU(s)"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "RAM"
+
+
 def active_params_per_token(m: ModelConfig) -> int:
     """N of the PaLM formula: every parameter except the input embedding, MoE counted as active."""
     norms_per_layer = 2 * m.hidden

@@ -16,7 +16,7 @@ from .data import Sampler, TokenData, load_tokenizer, load_tokens
 from .layout import validate
 from .memory import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 from .mesh import Mesh, device_for
-from .metrics import DTYPES, model_flops_per_token, parameter_count, peak_flops_for_log
+from .metrics import DTYPES, machine_memory_bytes, model_flops_per_token, parameter_count, peak_flops_for_log
 from .parallel import comm
 from .rundir import RunLock, atomic_write, claim, continues_a_checked_job, default_run_dir, write_json
 from .timeline import trace_step
@@ -57,15 +57,6 @@ def save_final_weights(model, run_dir: Path, config: Config) -> Path | None:
     path = atomic_write(run_dir / "model.safetensors", lambda side: save_file(tensors, str(side)))
     write_json(run_dir / "config.json", config.to_dict())
     return path
-
-
-def machine_memory_bytes(device: str) -> tuple[int, str]:
-    """Memory one machine offers the run, and what it is: GPU memory of its GPUs, or its RAM."""
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        count = torch.cuda.device_count()
-        total = sum(torch.cuda.get_device_properties(i).total_memory for i in range(count))
-        return total, f"{count} GPU(s)"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "RAM"
 
 
 def check_machine(config: Config) -> None:

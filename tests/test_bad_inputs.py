@@ -339,6 +339,8 @@ CASES: list[Case] = [
     Case("generate config not JSON", ["generate", "--run", "{d}/run"], 2, ("not the config.json",), run=True,
          prepare=_write("run/config.json", "{nope")),
     Case("generate weights of another shape", ["generate", "--run", "{d}/run"], 2, ("does not match",), run=True, prepare=_edit_run_config("hidden", 32)),
+    Case("generate huge config", ["generate", "--run", "{d}/run"], 2, ("parameters", "more than this machine"),
+         run=True, prepare=_edit_run_config("layers", 10**9)),
     Case("generate config out of range", ["generate", "--run", "{d}/run"], 2, ("model.layers", "at least 1"), run=True,
          prepare=_edit_run_config("layers", -2)),
     # ---- convert
@@ -357,6 +359,9 @@ CASES: list[Case] = [
     Case("export forged huge shape", ["convert", "export", "--run-dir", "{d}/run", "--out", "{d}/hf"], 2,
          ("embed.weight", "[100000000, 100000000]"), run=True,
          prepare=_forge(_entry("global_shape", [100000000, 100000000])), keep="run"),
+    Case("export forged huge config", ["convert", "export", "--run-dir", "{d}/run", "--out", "{d}/hf"], 2,
+         ("parameters", "more than this machine"), run=True, prepare=_forge(_config_value("model", "layers", 10**9)),
+         keep="run"),
     Case("export forged file outside", ["convert", "export", "--run-dir", "{d}/run", "--out", "{d}/hf"], 2,
          ("skipping", "outside its checkpoint folder", "neither a checkpoint"), run=True,
          prepare=lambda d: (_forge(_file_outside)(d), (d / "run" / "model.safetensors").unlink()), keep="run"),
