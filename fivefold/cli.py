@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .config import Config, ConfigError, load_config, preset_names
 from .layout import LayoutError, parse_layout_string, validate
@@ -84,7 +85,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     return 0
 
 
-def launch_training(config: Config, args: argparse.Namespace, argv: list[str], run_dir) -> int:
+def launch_training(config: Config, args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
     """Check the run folder here, then start the layout's processes, all writing to that folder."""
     from .rundir import claim
 
