@@ -57,8 +57,13 @@ the parameters' shards itself (ZeRO-3: the modules keep no usable full parameter
 the checkpoint then saves and loads parameters through the optimizer only (buffers still
 come from the modules), and `load_sharded_state` fills them with read_into(t, spec, "param").
 
-Test hook: `FIVEFOLD_TEST_KILL_AT_STEP=k` makes the first attempt of a torchrun job
-(TORCHELASTIC_RESTART_COUNT unset or 0) SIGKILL itself after step k, for the crash test.
+Trust
+-----
+A checkpoint folder may come from elsewhere, so nothing in it is trusted before it is
+checked: every file a manifest names must be a plain file name inside the folder, every
+entry's shapes must be those of the configured model (before anything is allocated), and
+every stored tensor's shape and dtype (read from the safetensors header) must match its
+entry before it is read.
 """
 
 from __future__ import annotations
@@ -77,15 +82,17 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from .config import Config, ModelConfig, config_from_dict
+from .config import Config, ModelConfig, check_values, config_from_dict
 from .model.init import canonical_name
 from .parallel import comm
 from .parallel.sharding import Placement, get_placement
+from .rundir import describe_write_error, fsync_path, write_errors, write_json
 
 FORMAT = "fivefold-checkpoint/1"
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
-_RUNTIME_BUFFERS = ("tokens_per_expert", "dropped_slots")  # per-step statistics, not state
+RUNTIME_BUFFERS = ("tokens_per_expert", "dropped_slots")  # per-step statistics, not state
+_STATE_DTYPES = ("F32", "F64", "BF16", "F16")  # parameters and optimizer state are floating point
 
 
 class CheckpointError(ValueError):
@@ -232,14 +239,14 @@ def clip_to_global(spec: ShardSpec, tensor: torch.Tensor) -> tuple[ShardSpec, to
 
 def state_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and persistent buffers (e.g. the router's balancing bias) of one model chunk."""
-    buffers = [(n, b) for n, b in module.named_buffers() if not n.endswith(_RUNTIME_BUFFERS)]
+    buffers = [(n, b) for n, b in module.named_buffers() if not n.endswith(RUNTIME_BUFFERS)]
     return list(module.named_parameters()) + buffers
 
 
 def module_state_tensors(module: nn.Module, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
     """What the modules contribute: everything, or only buffers when the optimizer owns the parameters."""
     if getattr(optimizer, "owns_parameter_shards", False):
-        return [(n, b) for n, b in module.named_buffers() if not n.endswith(_RUNTIME_BUFFERS)]
+        return [(n, b) for n, b in module.named_buffers() if not n.endswith(RUNTIME_BUFFERS)]
     return state_tensors(module)
 
 
@@ -303,20 +310,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, value: Any) -> None:
-    """Write JSON durably: to a side file, flushed to disk, then renamed over `path`."""
-    side = path.with_name(path.name + ".part")
-    side.write_text(json.dumps(value, indent=1, sort_keys=True))
-    _fsync(side)
-    os.replace(side, path)
 
 
 def _manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -343,10 +336,10 @@ def write_rank_files(
         tensors[f"rng/{kind}"] = value.detach().cpu().contiguous()
     path = directory / rank_file(rank)
     save_file(tensors, str(path))
-    _fsync(path)
+    fsync_path(path)
     info = {"rank": rank, "file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size,
             "entries": index, "rng": sorted(rng)}
-    _write_json(directory / f"rank_{rank:05d}.json", info)
+    write_json(directory / f"rank_{rank:05d}.json", info)
 
 
 def commit(tmp: Path, final: Path, world_size: int, meta: dict[str, Any]) -> None:
@@ -363,12 +356,12 @@ def commit(tmp: Path, final: Path, world_size: int, meta: dict[str, Any]) -> Non
         rng[str(rank)] = info["rng"]
     manifest = {"format": FORMAT, **meta, "world_size": world_size, "files": files, "entries": entries, "rng": rng}
     manifest["checksum"] = _manifest_checksum(manifest)
-    _write_json(tmp / MANIFEST, manifest)
+    write_json(tmp / MANIFEST, manifest)
     replaced = final.with_name(final.name + ".replaced")
     if final.exists():  # an unusable checkpoint of the same step, from before a fallback
         os.replace(final, replaced)
     os.replace(tmp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(replaced, ignore_errors=True)
 
 
@@ -422,19 +415,27 @@ def save_checkpoint(model: Any, step: int, root: Path, keep: int = 3) -> Path:
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         write_rank_files(tmp, mesh.rank, shard_entries(model), rng_states())
-    except OSError as err:
-        failure = f"rank {mesh.rank} could not write its shards: {err}"
+    except write_errors() as err:  # a full disk surfaces from safetensors as its own error type
+        failure = f"rank {mesh.rank} could not write its shards of checkpoint {final}: {describe_write_error(err)}"
     if agree_max(1 if failure else 0, model):
+        _discard(tmp, mesh.rank)
         raise CheckpointError(failure or f"another rank failed to write checkpoint {final}; nothing was committed")
     if mesh.rank == 0:
         try:
             commit(tmp, final, mesh.world_size, checkpoint_meta(model, step))
             prune(root, keep)
-        except OSError as err:
-            failure = f"could not commit {final}: {err}"
+        except write_errors() as err:
+            failure = f"could not commit checkpoint {final}: {describe_write_error(err)}"
     if agree_max(1 if failure else 0, model):
+        _discard(tmp, mesh.rank)
         raise CheckpointError(failure or f"rank 0 could not commit checkpoint {final}")
     return final
+
+
+def _discard(tmp: Path, rank: int) -> None:
+    """Rank 0 removes an uncommitted write (frees a full disk); it was never visible to a reader."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def checkpoint_meta(model: Any, step: int) -> dict[str, Any]:
@@ -465,6 +466,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{manifest_path} was altered: its checksum does not match its contents")
     if manifest.get("format") != FORMAT:
         raise IncompatibleCheckpoint(f"{path} has format {manifest.get('format')!r}; this version reads {FORMAT!r}")
+    check_manifest_fields(manifest, manifest_path)
     for name, info in manifest["files"].items():
         file = path / name
         if not file.is_file():
@@ -473,6 +475,66 @@ def read_manifest(path: Path) -> dict[str, Any]:
         if size != info["bytes"]:
             raise CorruptCheckpoint(f"{file} is truncated or altered: {size} bytes, the manifest says {info['bytes']}")
     return manifest
+
+
+def _is_count(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _counts(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_count(v) for v in value)
+
+
+def is_plain_file_name(name: Any) -> bool:
+    """A name that stays inside its folder: no separator, not '.' or '..', not absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and Path(name).name == name)
+
+
+def _entry_problem(entry: Any, files: dict[str, Any]) -> str:
+    """What is wrong with one manifest entry, or "" (types and the region's consistency)."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    if not all(isinstance(entry.get(k), str) for k in ("key", "state", "name", "file")):
+        return "lacks its key, state, name or file"
+    if entry["file"] not in files:
+        return f"names file {entry['file']!r}, which the manifest does not list"
+    shapes: list[list[int]] = [entry.get(k) for k in ("global_shape", "offsets", "shape")]  # type: ignore[misc]
+    if not all(_counts(v) for v in shapes) or len({len(v) for v in shapes}) != 1:
+        return "has malformed global_shape/offsets/shape"
+    global_shape, offsets, shape = shapes
+    if any(o > g or n > g for g, o, n in zip(global_shape, offsets, shape)):
+        return f"holds a region (offsets {offsets}, shape {shape}) outside its tensor of shape {global_shape}"
+    flat = entry.get("flat")
+    if flat is not None and not (_counts(flat) and len(flat) == 2 and flat[0] + flat[1] <= math.prod(shape)):
+        return f"has a flat range {flat} outside its region of shape {shape}"
+    return ""
+
+
+def check_manifest_fields(manifest: dict[str, Any], manifest_path: Path) -> None:
+    """Types and bounds of everything a loader uses, before anything is opened or allocated."""
+    def bad(why: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"{manifest_path} {why}")
+
+    if not (_is_count(manifest.get("step")) and _is_count(manifest.get("optimizer_steps"))
+            and _is_count(manifest.get("world_size"), 1)):
+        raise bad("has a malformed step, optimizer_steps or world_size")
+    if not isinstance(manifest.get("config"), dict):
+        raise bad("has no config")
+    files, entries, rng = manifest.get("files"), manifest.get("entries"), manifest.get("rng")
+    if not isinstance(files, dict) or not isinstance(entries, list) or not isinstance(rng, dict):
+        raise bad("lacks its files, entries or rng tables")
+    for name, info in files.items():
+        if not is_plain_file_name(name):
+            raise bad(f"names file {name!r} outside its checkpoint folder; refusing to open it")
+        if not (isinstance(info, dict) and _is_count(info.get("bytes")) and isinstance(info.get("sha256"), str)):
+            raise bad(f"has a malformed size or sha256 for {name}")
+    for i, entry in enumerate(entries):
+        problem = _entry_problem(entry, files)
+        if problem:
+            raise bad(f"entry {i} {problem}")
+    if not all(isinstance(kinds, list) and set(kinds) <= {"cpu", "cuda"} for kinds in rng.values()):
+        raise bad("has a malformed rng table")
 
 
 def _whose(file_name: str) -> str:
@@ -493,7 +555,10 @@ def architecture(model: ModelConfig) -> dict[str, Any]:
 
 def check_compatible(manifest: dict[str, Any], config: Config, path: Path) -> list[str]:
     """Raise if the checkpoint holds another model; return notes on other settings that differ."""
-    saved = config_from_dict(manifest["config"])
+    try:
+        saved = config_from_dict(manifest["config"])
+    except ValueError as err:
+        raise IncompatibleCheckpoint(f"{path} holds a config this version cannot use: {err}") from None
     ours, theirs = architecture(config.model), architecture(saved.model)
     diffs = [f"{k}: checkpoint {theirs[k]} vs config {ours[k]}" for k in ours if ours[k] != theirs[k]]
     if diffs:
@@ -506,6 +571,21 @@ def check_compatible(manifest: dict[str, Any], config: Config, path: Path) -> li
     return notes
 
 
+def check_model_fits(model: ModelConfig, source: Path) -> None:
+    """Refuse a saved config whose full fp32 weights exceed this machine's memory, before sizing
+    any tensor: a forged config must not make the reader build or allocate an impossible model."""
+    from .metrics import machine_memory_bytes, parameter_count
+    from .precision import PrecisionPolicy
+
+    needed = parameter_count(model) * PrecisionPolicy().param_bytes  # the reader builds fp32 tensors
+    available, what = machine_memory_bytes("cpu")
+    if needed > available:
+        raise IncompatibleCheckpoint(
+            f"{source} describes a model of {parameter_count(model):,} parameters ({needed / 1e9:,.1f} GB of "
+            f"weights), more than this machine's {available / 1e9:,.1f} GB of {what}"
+        )
+
+
 class CheckpointReader:
     """Reads the region of a tensor a rank needs from the shards of a committed checkpoint."""
 
@@ -515,8 +595,28 @@ class CheckpointReader:
         for e in manifest["entries"]:
             self.by_tensor.setdefault((e["name"], e["state"]), []).append((e["file"], e["key"], ShardSpec.from_json(e)))
         self._handles: dict[str, Any] = {}
-        self.model_config = config_from_dict(manifest["config"]).model
+        try:
+            self.model_config = config_from_dict(manifest["config"]).model
+        except ValueError as err:
+            raise IncompatibleCheckpoint(f"{self.path} holds a config this version cannot use: {err}") from None
         self.skip_optimizer_state = False  # set for weights-only checkpoints: optimizer state stays fresh
+        check_model_fits(self.model_config, self.path)
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """Every stored tensor must be one of the model's, with its shape: bounds what loading allocates."""
+        from .parallel.sharding import full_shapes
+
+        expected = full_shapes(self.model_config)
+        for (name, state), stored in self.by_tensor.items():
+            if name not in expected:
+                raise IncompatibleCheckpoint(f"{self.path} holds {state} of {name!r}, which the model does not have")
+            for _, _, spec in stored:
+                if tuple(spec.global_shape) != expected[name]:
+                    raise IncompatibleCheckpoint(
+                        f"{self.path} gives {name} shape {list(spec.global_shape)}, but its config's model "
+                        f"has {list(expected[name])}"
+                    )
 
     @property
     def has_optimizer(self) -> bool:
@@ -536,10 +636,18 @@ class CheckpointReader:
             raise CorruptCheckpoint(f"{path} cannot be read: {err}") from None
         return self._handles[file]
 
-    def _load(self, file: str, key: str) -> torch.Tensor:
+    def _load(self, file: str, key: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = _STATE_DTYPES) -> torch.Tensor:
+        """Tensor `key` of `file`, after its header's shape and dtype were checked (nothing is read before)."""
         handle = self._open(file)
         if key not in handle.keys():
             raise CorruptCheckpoint(f"{self.path / file} lacks tensor {key!r} listed in the manifest")
+        header = handle.get_slice(key)
+        stored_shape, dtype = tuple(header.get_shape()), header.get_dtype()
+        if stored_shape != tuple(shape) or dtype not in dtypes:
+            raise CorruptCheckpoint(
+                f"{self.path / file}: tensor {key!r} is {dtype} {list(stored_shape)}, the manifest says "
+                f"{'/'.join(dtypes)} {list(shape)}"
+            )
         return handle.get_tensor(key)
 
     def pieces(self, target: ShardSpec, state: str) -> Iterator[tuple[ShardSpec, torch.Tensor]]:
@@ -555,7 +663,7 @@ class CheckpointReader:
                 )
             s_off, s_shape, _, _ = _bounds(spec)
             if _intersect(t_off, t_shape, s_off, s_shape) is not None:
-                yield spec, self._load(file, key)
+                yield spec, self._load(file, key, spec.local_shape)
 
     def read_into(self, tensor: torch.Tensor, target: ShardSpec | Placement, state: str = "param") -> None:
         """Fill a local tensor (parameter, or optimizer state under `state`, e.g. "exp_avg")."""
@@ -577,8 +685,18 @@ class CheckpointReader:
         return out
 
     def rng_states(self, rank: int) -> dict[str, torch.Tensor]:
+        """The generator states rank `rank` saved; set_rng_states checks their length."""
         kinds = self.manifest["rng"].get(str(rank), [])
-        return {kind: self._load(rank_file(rank), f"rng/{kind}") for kind in kinds}
+        file = rank_file(rank)
+        if kinds and file not in self.manifest["files"]:
+            raise CorruptCheckpoint(f"{self.path / MANIFEST} lists rng states of rank {rank} but not its file")
+        states = {}
+        for kind in kinds:
+            key = f"rng/{kind}"
+            handle = self._open(file)
+            shape = tuple(handle.get_slice(key).get_shape()) if key in handle.keys() else ()
+            states[kind] = self._load(file, key, shape if len(shape) == 1 else (-1,), ("U8",))
+        return states
 
 
 def load_into(model: Any, path: Path, manifest: dict[str, Any]) -> int:
@@ -594,7 +712,10 @@ def load_into(model: Any, path: Path, manifest: dict[str, Any]) -> int:
     optimizer.load_sharded_state(reader)
     optimizer.steps = int(manifest["optimizer_steps"])
     if manifest["world_size"] == model.mesh.world_size:
-        set_rng_states(reader.rng_states(model.mesh.rank))
+        try:
+            set_rng_states(reader.rng_states(model.mesh.rank))
+        except RuntimeError as err:  # a generator state of the wrong length
+            raise CorruptCheckpoint(f"{path}: the random generator state of rank {model.mesh.rank} is unusable ({err})") from None
     return int(manifest["step"])
 
 
@@ -679,14 +800,6 @@ class StopRequest:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def kill_hook_for_tests(steps_done: int) -> None:
-    """Test hook: SIGKILL this process after step FIVEFOLD_TEST_KILL_AT_STEP, first attempt only."""
-    kill_at = os.environ.get("FIVEFOLD_TEST_KILL_AT_STEP")
-    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-    if kill_at and first_attempt and steps_done == int(kill_at):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # ------------------------------------------------------------------------- Hugging Face convert
 
 
@@ -708,10 +821,46 @@ def find_checkpoint(path: Path, step: int | None = None) -> Path | None:
     return None
 
 
+def _read_run_config(path: Path) -> Config:
+    try:
+        return config_from_dict(json.loads(path.read_text()))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not the config.json of a run: {err}") from None
+
+
+def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
+    """The saved tensors, after their shapes (from the file header) were checked against the config."""
+    from safetensors import safe_open
+
+    from .parallel.sharding import full_shapes
+
+    expected = {n: s for n, s in full_shapes(config.model).items() if not n.endswith(RUNTIME_BUFFERS)}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            problems = [f"{n}: file {list(shapes[n])}, config {list(s)}" for n, s in expected.items()
+                        if n in shapes and shapes[n] != s]
+            missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+            if problems or missing or unexpected:
+                raise CheckpointError(f"{path} does not match the model in config.json: " + "; ".join(
+                    problems[:3] + ([f"missing {missing[:5]}"] if missing else [])
+                    + ([f"unexpected {unexpected[:5]}"] if unexpected else [])))
+            return {key: handle.get_tensor(key) for key in shapes}
+    except CheckpointError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for a malformed file
+        raise CheckpointError(f"{path} cannot be read as safetensors weights: {err}") from None
+
+
+def read_final_weights(run_dir: Path) -> tuple[Config, dict[str, torch.Tensor]]:
+    """The final weights a run saved (model.safetensors + config.json), checked against that config."""
+    config = _read_run_config(Path(run_dir) / "config.json")
+    check_model_fits(config.model, Path(run_dir) / "config.json")
+    return config, _read_weights(Path(run_dir) / "model.safetensors", config)
+
+
 def full_state_of_run(path: Path, step: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Full tensors of a run's newest checkpoint, or of its final model.safetensors."""
-    from safetensors.torch import load_file
-
     from .parallel.sharding import full_shapes
 
     found = find_checkpoint(path, step)
@@ -720,16 +869,30 @@ def full_state_of_run(path: Path, step: int | None = None) -> tuple[ModelConfig,
         reader = CheckpointReader(found, manifest)
         model_config = reader.model_config
         return model_config, {name: reader.read_full(name) for name in full_shapes(model_config)}
-    weights, config_path = Path(path) / "model.safetensors", Path(path) / "config.json"
-    if not (weights.is_file() and config_path.is_file()):
+    if not ((Path(path) / "model.safetensors").is_file() and (Path(path) / "config.json").is_file()):
         raise CheckpointError(f"{path} has neither a checkpoint nor model.safetensors + config.json")
-    return config_from_dict(json.loads(config_path.read_text())).model, load_file(str(weights))
+    config, state = read_final_weights(Path(path))
+    return config.model, state
+
+
+def check_export_target(out: Path) -> None:
+    """Export writes only into a new or empty folder: never over a run or other files."""
+    from .rundir import existing_entries, looks_like_run
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out {out} is a file; give a new or empty folder")
+    if looks_like_run(out) or (out / MANIFEST).exists():
+        raise CheckpointError(f"--out {out} holds a training run or checkpoint; export into a new or empty folder")
+    if existing_entries(out):
+        raise CheckpointError(f"--out {out} is not empty; export into a new or empty folder")
 
 
 def export_hf(path: Path, out: Path, step: int | None = None) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors) from a run or checkpoint."""
     from .hf import write_hf_folder
 
+    check_export_target(out)
     model_config, state = full_state_of_run(path, step)
     return write_hf_folder(state, model_config, out)
 
@@ -767,8 +930,9 @@ def import_hf(hf_dir: Path, run_dir: Path, base: str = "tiny") -> Path:
     if list_checkpoints(root):
         raise CheckpointError(f"{run_dir} already has checkpoints; import into a new run directory")
     model_config, state = read_hf_folder(hf_dir)
+    check_import_shapes(state, model_config, hf_dir)
     config = load_config(base)
-    config = config.replace(model=model_config, train=_with(config.train, run_dir=str(run_dir)))
+    config = check_values(config.replace(model=model_config, train=_with(config.train, run_dir=str(run_dir))))
     run_dir.mkdir(parents=True, exist_ok=True)
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copy(hf_dir / "tokenizer.json", run_dir / "tokenizer.json")
@@ -780,6 +944,22 @@ def import_hf(hf_dir: Path, run_dir: Path, base: str = "tiny") -> Path:
     meta = {"step": 0, "optimizer_steps": 0, "has_optimizer": False, "config": config.to_dict()}
     commit(tmp, step_dir(root, 0), 1, meta)
     return run_dir
+
+
+def check_import_shapes(state: dict[str, torch.Tensor], model_config: ModelConfig, hf_dir: Path) -> None:
+    """Every imported tensor must have the shape the config's model gives it, before a run starts from it."""
+    from .parallel.sharding import full_shapes
+
+    expected = full_shapes(model_config)
+    for name, tensor in state.items():
+        if name in expected and tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"{hf_dir}: weight {name} has shape {list(tensor.shape)} but its config.json describes "
+                f"{list(expected[name])}; the weights and config.json are from different models"
+            )
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise CheckpointError(f"{hf_dir}: weights {unknown[:5]} are not part of the model its config.json describes")
 
 
 def _with(obj: Any, **changes: Any) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .cluster import adopt_slurm_environment, job_world_size, where_prefix
 from .config import Config, ConfigError, load_config, preset_names
@@ -62,6 +63,8 @@ def relaunch_under_torchrun(world_size: int, argv: list[str]) -> int:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     adopt_slurm_environment()  # srun tasks join one job like torchrun's workers
+    if args.world_size is not None and args.world_size < 1:
+        raise CliError(f"--world-size={args.world_size} must be at least 1 (the number of processes for --layout auto)")
     config = config_from_args(args.config, args.layout, overrides)
     if args.run_dir:
         config = config.replace(train=_replace(config.train, run_dir=args.run_dir))
@@ -70,19 +73,33 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if args.layout == "auto":
         config = choose_layout_automatically(config, args.world_size or job_world_size())
     config = validate(config)  # before any process starts
-    under_torchrun = "RANK" in os.environ
-    if config.layout.world_size > 1 and not under_torchrun:
-        from .loader import check_data_source
+    from .run import RunError, check_machine, new_run_dir, run_training
 
-        check_data_source(config)  # a missing or bad data file is reported before any process starts
-        argv = [a for a in argv]
-        if args.layout == "auto":
-            argv = _replace_layout_arg(argv, config)
-        return relaunch_under_torchrun(config.layout.world_size, argv)
-    from .run import run_training
-
-    run_training(config)
+    try:
+        check_machine(config)
+        under_torchrun = "RANK" in os.environ
+        if config.layout.world_size > 1 and not under_torchrun:
+            return launch_training(config, args, argv, new_run_dir(config))
+        run_training(config, overwrite=args.overwrite)
+    except RunError as err:
+        print(f"fivefold: error: {err}", file=sys.stderr)
+        return 1
     return 0
+
+
+def launch_training(config: Config, args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
+    """Check the run folder here, then start the layout's processes, all writing to that folder."""
+    from .rundir import claim
+
+    from .loader import check_data_source
+
+    claim(run_dir, config.checkpoint.resume, args.overwrite).release()  # refuse before spawning
+    check_data_source(config)  # a missing or bad data file is reported before any process starts
+    if args.layout == "auto":
+        argv = _replace_layout_arg(argv, config)
+    if not args.run_dir:  # every rank must use the folder named here, not its own time stamp
+        argv = [*argv, "--run-dir", str(run_dir)]
+    return relaunch_under_torchrun(config.layout.world_size, argv)
 
 
 def _replace(obj, **changes):
@@ -123,7 +140,9 @@ def choose_layout_automatically(config: Config, world_size: int | None) -> Confi
 
 
 def cmd_generate(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    from .generate import generate_text
+    from .generate import check_sampling_args, generate_text
+
+    check_sampling_args(args.max_new_tokens, args.temperature, args.seed)
 
     print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.seed))
     return 0
@@ -142,6 +161,8 @@ def cmd_report(args: argparse.Namespace, overrides: list[str], argv: list[str]) 
 
 
 def cmd_parity(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    if args.steps < 1:
+        raise CliError(f"--steps={args.steps} must be at least 1: parity compares the losses of that many steps")
     from .parity_cli import run_parity_cli
 
     return run_parity_cli(args, overrides)
@@ -185,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--layout", default=None, help='e.g. "dp=2,tp=2,pp=2", or "auto" to let the planner choose')
     train.add_argument("--run-dir", default=None, help="where metrics, checkpoints and weights go")
     train.add_argument("--world-size", type=int, default=None, help="processes for --layout auto")
+    train.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the run already in --run-dir (its metrics, checkpoints and weights are deleted); "
+        "without it, or --resume, a run folder that is not empty is refused",
+    )
     train.add_argument(
         "--resume", action="store_true",
         help="continue from the newest complete checkpoint of --run-dir (start fresh if there is none); "
@@ -252,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LayoutError, CliError, ValueError, FileNotFoundError) as err:
         print(f"fivefold: error: {where_prefix()}{err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk or a read-only folder met while writing (bad input is caught above)
+        print(f"fivefold: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 PRESET_DIR = Path(__file__).parent / "configs"
 
@@ -241,6 +243,8 @@ def resolve_preset(name_or_path: str) -> Path:
     if path.suffix == ".toml" or path.exists():
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
+        if not path.is_file():
+            raise ConfigError(f"config {path} is a directory, not a file; give a .toml file or a preset name")
         return path
     preset = PRESET_DIR / f"{name_or_path}.toml"
     if not preset.exists():
@@ -254,8 +258,10 @@ def load_toml(path: Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read: {err.strerror}") from None
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -279,9 +285,103 @@ def load_config(name_or_path: str | None = "small", overrides: list[str] | None 
         config = merge(config, load_toml(resolve_preset(name_or_path)))
     if overrides:
         config = merge(config, parse_overrides(overrides))
-    return config
+    return check_values(config)
 
 
 def config_from_dict(values: dict[str, Any]) -> Config:
     """Rebuild a Config saved with `Config.to_dict` (e.g. next to saved weights)."""
-    return merge(Config(), values)
+    if not isinstance(values, dict):
+        raise ConfigError(f"a saved config must be a table of sections, got {type(values).__name__}")
+    return check_values(merge(Config(), values))
+
+
+# ------------------------------------------------------------------------------- value ranges
+# Ranges of single keys. Checks that relate keys to each other or to the layout (heads and
+# kv_heads, top_k and num_experts, capacity_factor when tokens are dropped, ...) live in
+# fivefold.layout.validate, which runs before any process starts.
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # becomes a folder name under runs/
+DEVICES = ("auto", "cpu", "cuda")
+SEED_LIMIT = 2**31  # seeds are combined with step and epoch numbers into 64-bit generator seeds
+
+
+def _at_least(low: int) -> tuple[typing.Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f"at least {low}"
+
+
+def _positive() -> tuple[typing.Callable[[Any], bool], str]:
+    return (lambda v: v > 0), "greater than 0"
+
+
+def _below_one() -> tuple[typing.Callable[[Any], bool], str]:
+    return (lambda v: 0 <= v < 1), "in [0, 1)"
+
+
+RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "model.vocab_size": _at_least(1),
+    "model.hidden": _at_least(1),
+    "model.layers": _at_least(1),
+    "model.heads": _at_least(1),
+    "model.kv_heads": _at_least(0),
+    "model.ffn_hidden": _at_least(0),
+    "model.max_seq_len": _at_least(1),
+    "model.rope_theta": _positive(),
+    "model.norm_eps": _positive(),
+    "model.init_std": _at_least(0),
+    "model.num_experts": _at_least(0),
+    "model.first_dense_layers": _at_least(0),
+    "model.expert_ffn_hidden": _at_least(0),
+    "model.shared_experts": _at_least(0),
+    "model.aux_loss_coef": _at_least(0),
+    "model.z_loss_coef": _at_least(0),
+    "model.bias_update_rate": _at_least(0),
+    "train.steps": _at_least(1),
+    "train.global_batch": _at_least(1),
+    "train.seq_len": _at_least(1),
+    "train.lr": _positive(),
+    "train.min_lr": _at_least(0),
+    "train.warmup_steps": _at_least(0),
+    "train.weight_decay": _at_least(0),
+    "train.beta1": _below_one(),
+    "train.beta2": _below_one(),
+    "train.eps": _positive(),
+    "train.grad_clip": _at_least(0),
+    "train.seed": ((lambda v: 0 <= v < SEED_LIMIT), f"in [0, {SEED_LIMIT})"),
+    "train.eval_interval": _at_least(0),
+    "train.eval_batches": _at_least(1),
+    "train.log_interval": _at_least(1),
+    "train.device": ((lambda v: v in DEVICES), f"one of {', '.join(DEVICES)}"),
+    "data.val_fraction": ((lambda v: 0 < v < 0.5), "in (0, 0.5)"),
+    "checkpoint.interval": _at_least(0),
+    "checkpoint.keep": _at_least(1),
+    "model.name": (
+        (lambda v: bool(SAFE_NAME.match(v)) and ".." not in v),
+        "a plain name of letters, digits, '.', '_' and '-' (it names the run folder under runs/; "
+        "no path separators or '..')",
+    ),
+}
+
+
+def _flat_values(config: Config) -> Iterator[tuple[str, Any]]:
+    for section in dataclasses.fields(config):
+        for f in dataclasses.fields(getattr(config, section.name)):
+            yield f"{section.name}.{f.name}", getattr(getattr(config, section.name), f.name)
+
+
+def check_values(config: Config) -> Config:
+    """Reject a value outside its key's range (and any NaN or infinite number); return `config`."""
+    for key, value in _flat_values(config):
+        if value is None:
+            raise ConfigError(f"{key} has no value")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number")
+        if key not in RANGES:
+            continue
+        allowed, text = RANGES[key]
+        try:
+            ok = allowed(value)
+        except TypeError:  # a value built in code, not through merge(): e.g. a string for a number
+            raise ConfigError(f"{key}={value!r} has the wrong type") from None
+        if not ok:
+            raise ConfigError(f"{key}={value!r} is out of range: it must be {text}")
+    return config

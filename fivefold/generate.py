@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 
 import torch
 
-from .config import config_from_dict
+from .checkpoint import RUNTIME_BUFFERS, read_final_weights
+from .config import Config
 from .data import load_tokenizer
 from .model import Transformer
 
@@ -16,25 +17,34 @@ class RunDirError(ValueError):
     """A run directory without usable weights; the message says what is missing."""
 
 
-def load_trained(run_dir: str | Path) -> tuple[Transformer, object]:
-    from safetensors.torch import load_file
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a signed 64-bit seed
 
+
+def check_sampling_args(max_new_tokens: int, temperature: float, seed: int) -> None:
+    """Refuse sampling settings that have no meaning, naming the flag."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens={max_new_tokens} must be 0 or more")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"--temperature={temperature} must be a finite number >= 0 (0 picks the likeliest token)")
+    if not -SEED_LIMIT <= seed < SEED_LIMIT:
+        raise ValueError(f"--seed={seed} must fit in 64 bits (between {-SEED_LIMIT} and {SEED_LIMIT - 1})")
+
+
+def load_trained(run_dir: str | Path) -> tuple[Transformer, Config]:
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"--run {run_dir} is not a folder; give the run folder of a finished training run")
     weights, cfg = run_dir / "model.safetensors", run_dir / "config.json"
     for path in (weights, cfg):
         if not path.is_file():
-            raise RunDirError(f"{path} is missing; train first (fivefold train --train.run_dir {run_dir})")
-    config = config_from_dict(json.loads(cfg.read_text()))
+            raise RunDirError(f"{path} is missing; train first (fivefold train --run-dir {run_dir})")
+    config, state = read_final_weights(run_dir)
     with torch.device("meta"):
         model = Transformer(config.model)
     model.to_empty(device="cpu")
-    state = load_file(str(weights))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.endswith(("tokens_per_expert", "dropped_slots"))]
-    if missing or unexpected:
-        raise RunDirError(f"{weights} does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(state, strict=False)
     for name, buf in model.named_buffers():
-        if name.endswith(("tokens_per_expert", "dropped_slots")):
+        if name.endswith(RUNTIME_BUFFERS):
             buf.zero_()
     return model.eval(), config
 

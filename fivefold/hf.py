@@ -30,6 +30,7 @@ the files naming by default, which every version loads.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -63,7 +64,14 @@ def _rope_theta(hf_config: Any) -> float:
     return float(theta if theta is not None else _get(hf_config, "rope_theta", 10000.0))
 
 
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
 def _check_supported_features(hf_config: Any, model_type: str) -> None:
+    for key in _REQUIRED_SIZES:
+        value = _get(hf_config, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise HFConversionError(f"config.json: {key}={value!r}; it must be a positive integer")
     if _get(hf_config, "hidden_act", "silu") != "silu":
         raise HFConversionError(f"hidden_act={_get(hf_config, 'hidden_act')!r}; fivefold's MLP is SwiGLU (silu)")
     for flag in ("attention_bias", "mlp_bias"):
@@ -84,8 +92,9 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> ModelConfig:
         raise HFConversionError(f"model_type={model_type!r}; fivefold converts {', '.join(SUPPORTED_TYPES)}")
     _check_supported_features(hf_config, model_type)
     heads = _get(hf_config, "num_attention_heads")
+    name = name or str(_get(hf_config, "_name_or_path") or model_type).rstrip("/").split("/")[-1]
     common = dict(
-        name=name or str(_get(hf_config, "_name_or_path") or model_type).rstrip("/").split("/")[-1] or model_type,
+        name=re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-") or model_type,  # it names run folders
         vocab_size=_get(hf_config, "vocab_size"),
         hidden=_get(hf_config, "hidden_size"),
         layers=_get(hf_config, "num_hidden_layers"),
@@ -283,11 +292,19 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     files = sorted(folder.glob("*.safetensors"))
     if not config_path.is_file() or not files:
         raise HFConversionError(f"{folder} is not a Hugging Face model folder: it needs config.json and *.safetensors")
-    hf_config = json.loads(config_path.read_text())
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise HFConversionError(f"{config_path} is not valid JSON: {err}") from None
+    if not isinstance(hf_config, dict):
+        raise HFConversionError(f"{config_path} must hold a JSON object")
     config = config_from_hf(hf_config, name=folder.name)
     hf_state: dict[str, torch.Tensor] = {}
     for path in files:
-        hf_state.update(load_file(str(path)))
+        try:
+            hf_state.update(load_file(str(path)))
+        except Exception as err:  # safetensors raises its own error types for a malformed file
+            raise HFConversionError(f"{path} cannot be read as safetensors: {err}") from None
     state = state_dict_from_hf(hf_state, config)
     return config, {k: v.float().contiguous() for k, v in state.items()}
 

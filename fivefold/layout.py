@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import Config, Layout, ModelConfig, TrainConfig
+from .config import Config, Layout, ModelConfig, TrainConfig, check_values
 from .precision import PrecisionError, PrecisionPolicy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -298,7 +298,7 @@ def validate(config: Config, world_size: int | None = None) -> Config:
 
     Raises LayoutError naming the problem and what would work, before any process starts.
     """
-    layout, model, train = config.layout, config.model, config.train
+    layout, model, train = check_values(config).layout, config.model, config.train
     _check_choices(layout)
     _check_model(model)
     try:
@@ -356,13 +356,19 @@ def _check_model(model: ModelConfig) -> None:
 
 
 def parse_layout_string(text: str) -> dict[str, str]:
-    """Parse "dp=2,tp=2,pp=2" into layout overrides."""
-    values = {}
+    """Parse "dp=2,tp=2,pp=2" into layout overrides; a name given twice is refused."""
+    values: dict[str, str] = {}
     for part in text.replace(" ", "").split(","):
         if not part:
             continue
         if "=" not in part:
             raise LayoutError(f"layout entry '{part}' must look like name=value, e.g. dp=2")
         key, value = part.split("=", 1)
+        if not key or not value:
+            raise LayoutError(f"layout entry '{part}' must look like name=value, e.g. dp=2")
+        if key in values:
+            raise LayoutError(f"--layout gives {key} twice ({key}={values[key]} and {key}={value}); keep one")
         values[key] = value
+    if not values:
+        raise LayoutError(f"--layout '{text}' names no axis; give e.g. \"dp=2,tp=2\"")
     return values

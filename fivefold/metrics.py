@@ -57,6 +57,37 @@ def mlp_params_per_token(m: ModelConfig, layer: int) -> int:
     return router + experts
 
 
+def moe_layer_count(m: ModelConfig) -> int:
+    """Layers i >= first_dense_layers with i % moe_every == moe_every - 1 (ModelConfig.is_moe_layer)."""
+    if not m.is_moe:
+        return 0
+    every, first = max(m.moe_every, 1), min(m.first_dense_layers, m.layers)
+    return m.layers // every - first // every
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """Every parameter of the full model (all experts), in closed form: no loop over layers,
+    so it also sizes configurations far too large to build."""
+    shared = 3 * m.hidden * m.expert_ffn * m.shared_experts
+    moe_mlp = m.hidden * m.num_experts + 3 * m.num_experts * m.hidden * m.expert_ffn + shared
+    moe_layers = moe_layer_count(m)
+    per_layer = attention_params(m) + 2 * m.hidden  # attention and its two norms
+    layers = m.layers * per_layer + (m.layers - moe_layers) * 3 * m.hidden * m.ffn + moe_layers * moe_mlp
+    embeddings = m.vocab_size * m.hidden * (1 if m.tied_embeddings else 2)
+    return layers + embeddings + m.hidden  # + the final norm
+
+
+def machine_memory_bytes(device: str = "cpu") -> tuple[int, str]:
+    """Memory one machine offers a run, and what it is: the memory of its GPUs, or its RAM."""
+    import os
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        count = torch.cuda.device_count()
+        total = sum(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+        return total, f"{count} GPU(s)"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "RAM"
+
+
 def active_params_per_token(m: ModelConfig) -> int:
     """N of the PaLM formula: every parameter except the input embedding, MoE counted as active."""
     norms_per_layer = 2 * m.hidden

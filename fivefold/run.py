@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,10 +16,16 @@ from .cluster import check_same_job, record_hosts
 from .config import Config
 from .data import Sampler, TokenData
 from .packing import data_position
+from .precision import PrecisionPolicy
 from .layout import validate
 from .mesh import Mesh, device_for
-from .metrics import DTYPES, StepProfiler, model_flops_per_token, peak_flops_for_log, rank_measurements
+from .metrics import (
+    DTYPES, StepProfiler, machine_memory_bytes, model_flops_per_token, parameter_count, peak_flops_for_log,
+    rank_measurements,
+)
+from .parallel import comm
 from .prediction import check_drift, write_prediction
+from .rundir import RunLock, atomic_write, claim, continues_a_checked_job, default_run_dir, write_json
 from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
@@ -37,25 +44,57 @@ def init_distributed(config: Config) -> tuple[Mesh, torch.device]:
     return Mesh.build(config.layout, device_type=device.type), device
 
 
+class RunError(RuntimeError):
+    """A run that had to stop; the message says why, and what was kept."""
+
+
 def new_run_dir(config: Config) -> Path:
     if config.train.run_dir:
         return Path(config.train.run_dir)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{config.model.name}-{stamp}"
+    return default_run_dir(config.model.name)
 
 
 def save_final_weights(model, run_dir: Path, config: Config) -> Path | None:
-    """Gather the full model and write model.safetensors + config.json (rank 0)."""
+    """Gather the full model and write model.safetensors + config.json (rank 0), each atomically."""
     from safetensors.torch import save_file
 
     full = model.full_parameters()
     if model.mesh.rank != 0:
         return None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in full.items()}, str(path))
-    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    tensors = {k: v.contiguous() for k, v in full.items()}
+    path = atomic_write(run_dir / "model.safetensors", lambda side: save_file(tensors, str(side)))
+    write_json(run_dir / "config.json", config.to_dict())
     return path
+
+
+def check_machine(config: Config) -> None:
+    """What the layout alone cannot tell: the device exists, and the training state can fit.
+
+    The state is fp32 weights, gradients and Adam moments (sharded at best over all ranks,
+    which on this many machines still share their memory): a lower bound, so a refusal here
+    is a run that could never start, not a guess.
+    """
+    device = config.train.device
+    if device == "cuda" and not torch.cuda.is_available():
+        build = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise RunError(f"train.device=cuda but {build} (torch {torch.__version__}); use train.device=cpu or auto")
+    machines = max(int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    params = parameter_count(config.model)
+    policy = PrecisionPolicy.from_train(config.train)  # the run's own bytes per parameter
+    needed = params * (policy.param_bytes + policy.grad_bytes + policy.optimizer_bytes())
+    available, what = machine_memory_bytes(device)
+    if needed > available * machines:
+        m = config.model
+        raise RunError(
+            f"the model (model.hidden={m.hidden}, model.layers={m.layers}, model.vocab_size={m.vocab_size}, "
+            f"model.num_experts={m.num_experts}) has {params:,} parameters; their weights, gradients and "
+            f"optimizer state ({policy.name}) need {_gb(needed)}, but {machines} machine(s) with {_gb(available)} of {what} each "
+            "cannot hold them; choose a smaller model"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB"
 
 
 def _progress(enabled: bool, total: int):
@@ -91,9 +130,15 @@ def checkpoint_due(config: Config, steps_done: int) -> bool:
 
 
 def save_step(model, config: Config, run_dir: Path, steps_done: int) -> None:
-    from .checkpoint import checkpoint_root, save_checkpoint
+    from .checkpoint import CheckpointError, checkpoint_root, list_checkpoints, save_checkpoint
 
-    path = save_checkpoint(model, steps_done, checkpoint_root(run_dir), keep=config.checkpoint.keep)
+    root = checkpoint_root(run_dir)
+    try:
+        path = save_checkpoint(model, steps_done, root, keep=config.checkpoint.keep)
+    except CheckpointError as err:
+        found = list_checkpoints(root)
+        kept = f"the previous checkpoint, {found[0]}, is kept" if found else "no earlier checkpoint exists"
+        raise RunError(f"{err}; {kept}") from None
     if model.mesh.rank == 0:
         print(f"checkpoint {path}")
 
@@ -104,10 +149,42 @@ def load_data(config: Config) -> tuple[TokenData, Sampler]:
     return open_training_data(config)
 
 
+def finite_or_null(value: Any) -> Any:
+    """A metrics value with every NaN or infinity replaced by None (JSON null): metrics.jsonl stays JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def check_finite(record: dict, config: Config, run_dir: Path) -> None:
+    """Stop the run at the first step whose loss or gradient norm is NaN or infinite.
+
+    Both are all-reduced, so every rank sees the same value and stops at the same step; the
+    step's update is not checkpointed, so the newest checkpoint is the last good state.
+    """
+    bad = [key for key in ("loss", "grad_norm") if not math.isfinite(record[key])]
+    if not bad:
+        return
+    from .checkpoint import checkpoint_root, list_checkpoints
+
+    found = list_checkpoints(checkpoint_root(run_dir))
+    kept = f"the last good checkpoint, {found[0]}, is kept" if found else "no checkpoint was written before it"
+    values = ", ".join(f"{key} {record[key]}" for key in bad)
+    raise RunError(
+        f"training diverged at step {record['step']} ({values}); stopped without saving that step, {kept}. "
+        f"Lower train.lr (now {config.train.lr}) or set train.grad_clip (now {config.train.grad_clip}), "
+        "then continue with --resume"
+    )
+
+
 def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_dir: Path, start: int, log, progress,
                 prediction: dict | None = None) -> tuple[list[dict], bool]:
     """Steps start..steps-1, checkpointing on schedule and on SIGTERM. Returns (records, stopped early)."""
-    from .checkpoint import StopRequest, kill_hook_for_tests
+    from .checkpoint import StopRequest
 
     records, stop, stopping = [], StopRequest(), False
     flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
@@ -125,11 +202,11 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
             if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:
                 record["val_loss"] = evaluate(model, data, config.train.eval_batches)
             records.append(record)
-            log.write(record)
+            log.write(finite_or_null(record))
+            check_finite(record, config, run_dir)
             if prediction is not None:
                 check_drift(prediction, records, config.train.drift_margin, config.train.steps - start)
             progress.update(task, advance=1, loss=result.loss, tps=record["tokens_per_s"])
-            kill_hook_for_tests(step + 1)
             stopping = stop.agreed(model)
             if checkpoint_due(config, step + 1) or stopping:
                 save_step(model, config, run_dir, step + 1)
@@ -140,10 +217,44 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
     return records, stopping
 
 
-def run_training(config: Config, run_dir: Path | None = None, show_progress: bool = True) -> list[dict]:
-    """Train `config` on this process's part of the layout; returns the per-step records."""
+def claim_run_dir(run_dir: Path, config: Config, mesh: Mesh, device: torch.device, overwrite: bool) -> RunLock | None:
+    """Rank 0 locks the run folder and checks what it holds; every rank learns whether that worked."""
+    lock, failure = None, None
+    if mesh.rank == 0:
+        try:
+            lock = claim(run_dir, config.checkpoint.resume, overwrite, check=not continues_a_checked_job())
+        except ValueError as err:
+            failure = err
+    flag = torch.tensor([1.0 if failure else 0.0], device=device)
+    comm.all_reduce(flag, mesh.world, op="max")
+    if failure is not None:
+        raise failure
+    if flag.item():
+        raise RunError(f"rank 0 could not use run folder {run_dir}; see its message")
+    return lock
+
+
+def run_training(
+    config: Config, run_dir: Path | None = None, show_progress: bool = True, overwrite: bool = False
+) -> list[dict]:
+    """Train `config` on this process's part of the layout; returns the per-step records.
+
+    `overwrite` replaces a previous run in `run_dir`; without it (or checkpoint.resume) a
+    folder that holds anything is refused.
+    """
     config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
+    check_machine(config)
     mesh, device = init_distributed(config)
+    run_dir = Path(run_dir or new_run_dir(config))
+    lock = claim_run_dir(run_dir, config, mesh, device, overwrite)
+    try:
+        return _train_in(config, run_dir, mesh, device, show_progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_in(config: Config, run_dir: Path, mesh: Mesh, device: torch.device, show_progress: bool) -> list[dict]:
     torch.manual_seed(config.train.seed)
     data, sampler = load_data(config)
     model = build(config, mesh, device)
@@ -151,17 +262,18 @@ def run_training(config: Config, run_dir: Path | None = None, show_progress: boo
     is_main = mesh.rank == 0
     for note in getattr(data, "notes", []) if is_main else []:
         print(f"note: {note}")
-    run_dir = run_dir or new_run_dir(config)
     start = resume_step(model, config, run_dir)  # before anything is written to the run directory
     log = MetricsLog(run_dir, enabled=is_main)
     if is_main:
-        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+        write_json(run_dir / "config.json", config.to_dict())
     prediction = write_prediction(config, device, run_dir) if is_main else None
     record_hosts(run_dir, is_main)
-    with _progress(is_main and show_progress, config.train.steps) as progress:
-        records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress, prediction)
-    path = None if stopped else save_final_weights(model, run_dir, config)
-    log.close()
+    try:
+        with _progress(is_main and show_progress, config.train.steps) as progress:
+            records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress, prediction)
+        path = None if stopped else save_final_weights(model, run_dir, config)
+    finally:
+        log.close()
     if is_main and records:
         first, last = records[0]["loss"], records[-1]["loss"]
         where = f"weights: {path}" if path else "stopped by SIGTERM after a checkpoint"

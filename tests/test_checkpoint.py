@@ -17,8 +17,11 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -218,15 +221,16 @@ def test_commit_is_atomic_and_keeps_the_last_k(dense_run, tmp_path):
 
 
 def test_sigterm_checkpoints_and_stops_after_the_current_step(tmp_path, monkeypatch):
-    import signal
+    import fivefold.run as run
 
-    import fivefold.checkpoint as checkpoint
-
-    def terminate_after(steps_done: int) -> None:
-        if steps_done == 1:
+    def step_then_terminate(model, sampler, step):
+        result = train_step(model, sampler, step)
+        if step == 0:
             os.kill(os.getpid(), signal.SIGTERM)
+        return result
 
-    monkeypatch.setattr(checkpoint, "kill_hook_for_tests", terminate_after)
+    train_step = run.train_step
+    monkeypatch.setattr(run, "train_step", step_then_terminate)
     handler_before = signal.getsignal(signal.SIGTERM)
     records = train_run(small_config("tiny", "train.steps=3"), tmp_path / "run")  # no interval: SIGTERM only
     assert len(records) == 1
@@ -370,25 +374,68 @@ def test_two_ranks_write_in_parallel_and_any_world_reshards(pools, tmp_path):
         read_manifest(path)
 
 
+def _read_fifo_lines(fifo: Path, lines: list[str], done: threading.Event) -> None:
+    """Read every line written to a FIFO by writers that each open, write one line and close."""
+    while not done.is_set():
+        with open(fifo) as f:  # blocks until the next writer opens it
+            lines += [line for line in f.read().splitlines() if line]
+
+
+def _wait_for(condition, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_killed_rank_restarts_under_torchrun_and_ends_like_an_uninterrupted_run(dense_run, tmp_path):
-    """SIGKILL after step 2 of 3 (checkpoint every step, so step 1 is the last): torchrun restarts
-    the job, it resumes at step 1 and ends with the weights of the uninterrupted run, bit for bit."""
+    """SIGKILL from outside after the checkpoint of step 1 of 3: torchrun restarts the job, it
+    resumes at step 1 and ends with the weights of the uninterrupted run, bit for bit.
+
+    metrics.jsonl is a FIFO this test reads, so the worker cannot finish a step's metrics line
+    (and so cannot write the next checkpoint) until the test lets it: the kill always lands
+    between the checkpoints of steps 1 and 2, without a hook in the training loop.
+    """
     _, straight, _ = dense_run
     overrides = ["--model.layers", "2", "--train.seq_len", "16", "--train.global_batch", "4",
                  "--train.steps", "3", "--checkpoint.interval", "1", "--train.eval_interval", "0"]
     run_dir = tmp_path / "killed"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / "metrics.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
            "-m", "fivefold.cli", "train", "--config", "tiny", "--run-dir", str(run_dir), "--resume", *overrides]
     # The same thread count as this process, which trained the uninterrupted run: same summation order.
-    env = dict(os.environ, FIVEFOLD_TEST_KILL_AT_STEP="2", OMP_NUM_THREADS=str(torch.get_num_threads()),
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    job = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    assert "resuming at step 1" in job.stdout, job.stdout[-3000:]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 1, 2]  # step 1 ran before the kill and again after the restart
+    job = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    done = threading.Event()
+    try:
+        with open(run_dir / "metrics.jsonl") as fifo:
+            lines.append(fifo.readline())  # step 0; the worker then commits step 1 and trains step 1
+        _wait_for(lambda: (checkpoint_root(run_dir) / "step_000001" / "manifest.json").exists())
+        worker = int((run_dir / ".lock").read_text().split()[1])  # "pid N on host H", written by rank 0
+        os.kill(worker, signal.SIGKILL)
+        reader = threading.Thread(target=_read_fifo_lines, args=(run_dir / "metrics.jsonl", lines, done), daemon=True)
+        reader.start()
+        output, _ = job.communicate(timeout=300)
+    finally:
+        done.set()
+        job.kill()
+        _release_fifo_reader(run_dir / "metrics.jsonl")
+    assert job.returncode == 0, output[-3000:]
+    assert "resuming at step 1" in output, output[-3000:]
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]  # step 1 was cut short by the kill
     a, b = weights(straight), weights(run_dir)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _release_fifo_reader(fifo: Path) -> None:
+    """Open the FIFO for writing once, so a reader blocked in open() returns and sees `done`."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader is waiting
+        pass
 
 
 

@@ -63,6 +63,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         hardware = "cpu"
     if args.top < 1:
         raise PlanError(f"--top must be at least 1, got {args.top}")
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--global-batch", args.global_batch)):
+        if value is not None and value < 1:
+            raise PlanError(f"{flag} must be at least 1, got {value}")
     model = load_model(args.model)
     if args.seq_len is not None:
         model = model.replace(seq_len=args.seq_len)

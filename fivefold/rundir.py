@@ -1,0 +1,240 @@
+"""Run folders: one run at a time, no silent overwrite, outputs replaced atomically.
+
+A run folder holds one run's metrics, checkpoints and final weights. Three rules keep them:
+
+- a lock (`.lock`, an advisory `flock` held by rank 0 for the whole run, naming its pid and
+  host, removed at the end) refuses a second run into the same folder while the first is
+  alive; the kernel drops the lock when its holder dies, so a crashed run never blocks the next;
+- a folder that already holds something is refused unless the run continues it (`--resume`)
+  or replaces it (`--overwrite`, which empties a previous run's folder first, and refuses a
+  folder that does not look like a run, so a mistyped `--run-dir ~` deletes nothing);
+- files a reader may open at any time (final weights, config.json) are written to a side
+  file, flushed to disk, then renamed over the old one: a crash or a full disk leaves the
+  old file whole.
+
+Nothing here imports torch, so the launcher checks a folder before it starts any process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Callable
+
+LOCK_FILE = ".lock"
+RUNS_ROOT = Path("runs")
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "model.safetensors", "config.toml")
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be used as asked; the message says what to do instead."""
+
+
+class WriteFailed(OSError):
+    """An output that could not be written (full disk, read-only folder); the old file is kept."""
+
+
+def default_run_dir(model_name: str) -> Path:
+    """A new folder under runs/ named after the model and the time (model.name is a plain name)."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return RUNS_ROOT / f"{model_name}-{stamp}"
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_write_error(err: BaseException) -> str:
+    """The reason of an OSError, or of a safetensors error wrapping one (e.g. a full disk)."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    found = re.search(r'message: "([^"]+)"', str(err))
+    return found.group(1) if found else str(err)
+
+
+def write_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions a failed write raises: OSError, and safetensors' own error type."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors is a dependency
+        return (OSError,)
+    return (OSError, SafetensorError)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
+    """`write(side_file)`, flush it to disk, then rename it over `path`; on failure `path` is untouched."""
+    path = Path(path)
+    side = path.with_name(path.name + ".part")
+    try:
+        write(side)
+        fsync_path(side)
+        os.replace(side, path)
+    except write_errors() as err:
+        side.unlink(missing_ok=True)
+        raise WriteFailed(errno.EIO, f"could not write {path}: {describe_write_error(err)}") from None
+    return path
+
+
+def write_json(path: Path, value: object) -> Path:
+    def write(side: Path) -> None:
+        side.write_text(json.dumps(value, indent=1, sort_keys=True))
+
+    return atomic_write(path, write)
+
+
+# ----------------------------------------------------------------------------------- the lock
+
+
+class RunLock:
+    """An exclusive advisory lock on a run folder, held until `release` (or the process dies).
+
+    The lock file is removed on release, so a finished run leaves its folder as it was. A
+    claimant that locked a file just unlinked by the previous holder notices (the path no
+    longer names the file it locked) and tries again on the new file.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.path, self._fd = Path(run_dir), Path(run_dir) / LOCK_FILE, -1
+        for _ in range(100):
+            fd = self._open()
+            if self._lock(fd):
+                self._fd = fd
+                break
+        else:  # pragma: no cover - a hundred holders in a row released while we looked
+            raise RunFolderError(f"run folder {run_dir} changes hands too often to claim; try again")
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunFolderError(f"run folder {self.run_dir} is not writable ({describe_write_error(err)}); "
+                                 "choose another --run-dir") from None
+
+    def _lock(self, fd: int) -> bool:
+        """Lock `fd`; False if it was unlinked meanwhile (retry). Raises if another run holds it."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            try:
+                holder = self.path.read_text().strip() or "a process that is starting"
+            except OSError:
+                holder = "a process that is ending"
+            raise RunFolderError(
+                f"run folder {self.run_dir} is in use by another run ({holder}); wait for it to end or "
+                "choose another --run-dir"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+        return same
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            self.path.unlink(missing_ok=True)  # while still locked: nobody can have locked this file
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# ------------------------------------------------------------------------- existing contents
+
+
+def existing_entries(run_dir: Path) -> list[str]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
+
+
+def looks_like_run(run_dir: Path) -> bool:
+    """True for a folder a fivefold run or `convert import` wrote (what --overwrite may delete)."""
+    run_dir = Path(run_dir)
+    if any((run_dir / marker).exists() for marker in RUN_MARKERS):
+        return True
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"model", "layout", "train"} <= set(saved)
+
+
+def _empty(run_dir: Path, entries: list[str]) -> None:
+    for name in entries:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def check_contents(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a folder holding something unless the run continues it; --overwrite empties a previous run."""
+    if resume and overwrite:
+        raise RunFolderError("--resume continues the run in --run-dir and --overwrite deletes it; give only one")
+    entries = existing_entries(run_dir)
+    if not entries or resume:
+        return
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    if not overwrite:
+        raise RunFolderError(
+            f"run folder {run_dir} is not empty ({shown}); continue that run with --resume, replace it with "
+            "--overwrite, or choose another --run-dir"
+        )
+    if not looks_like_run(run_dir):
+        raise RunFolderError(
+            f"--overwrite deletes a previous run, but {run_dir} does not hold one ({shown}); "
+            "choose another --run-dir"
+        )
+    _empty(Path(run_dir), entries)
+
+
+def claim(run_dir: Path, resume: bool, overwrite: bool, check: bool = True) -> RunLock:
+    """Create and lock the run folder and (with `check`) apply the rules on existing contents.
+
+    `check` is False for a process that continues a job whose folder was already checked:
+    a worker started by the fivefold launcher, or a restart of a torchrun job.
+    """
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunFolderError(f"--run-dir {run_dir} is a file; give a folder")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunFolderError(f"cannot create run folder {run_dir}: {describe_write_error(err)}") from None
+    lock = RunLock(run_dir)
+    try:
+        if check:
+            check_contents(run_dir, resume, overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def continues_a_checked_job() -> bool:
+    """A worker of a job whose launcher checked the folder, or a torchrun restart of this job."""
+    launched = os.environ.get("FIVEFOLD_LAUNCHED") == "1"
+    return launched or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
