@@ -2,7 +2,8 @@
 
 Configuration flags are dotted keys (`--train.steps 50`, `--layout.tp 2`, or
 `--layout "dp=2,tp=2"`); every key is checked. A layout of more than one process restarts
-the command under torchrun (gloo on CPU, NCCL on CUDA) unless it already runs under it.
+the command as a job of local ranks supervised by `fivefold.launch` (gloo on CPU, NCCL on
+CUDA) unless it already runs under torchrun or the launcher.
 """
 
 from __future__ import annotations
@@ -47,16 +48,25 @@ def config_from_args(config_name: str | None, layout: str | None, overrides: lis
     return load_config(config_name or "small", extra)
 
 
-def relaunch_under_torchrun(world_size: int, argv: list[str]) -> int:
-    """Re-run this command as `world_size` local processes under torchrun."""
-    import subprocess
+def relaunch_under_torchrun(config: Config, argv: list[str]) -> int:
+    """Re-run this `train` command as the local ranks of a job supervised by fivefold.launch
+    (restarts with --resume, collective watchdog, signals); the job's exit status."""
+    from .launch import Job, run_job
+    from .run import new_run_dir
 
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-        "-m", "fivefold.cli", *argv,
-    ]
-    env = dict(os.environ, FIVEFOLD_LAUNCHED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(cmd, env=env)
+    run_dir = new_run_dir(config)
+    if not config.train.run_dir:  # every rank and every attempt must write the same folder
+        argv = [*argv, "--run-dir", str(run_dir)]
+    job = Job(
+        world_size=config.layout.world_size,
+        command=("-m", "fivefold.cli", *argv),
+        resume_args=("--resume",),
+        max_restarts=config.train.max_restarts,
+        collective_timeout_s=config.train.collective_timeout_s,
+        stop_grace_s=config.train.stop_grace_s,
+        flight_dir=run_dir / "flight_records",
+    )
+    return run_job(job)
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
@@ -73,7 +83,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         argv = [a for a in argv]
         if args.layout == "auto":
             argv = _replace_layout_arg(argv, config)
-        return relaunch_under_torchrun(config.layout.world_size, argv)
+        return relaunch_under_torchrun(config, argv)
     from .run import run_training
 
     run_training(config)

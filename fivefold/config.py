@@ -128,6 +128,10 @@ class TrainConfig:
     device: str = "auto"  # auto, cpu, cuda
     run_dir: str = ""  # empty: a new folder under runs/
     trace: bool = False  # record a per-rank timeline of one step (Gantt PNG + Chrome trace)
+    # Fault handling of multi-process jobs (fivefold/launch.py, the watchdog in parallel/comm.py).
+    max_restarts: int = 0  # restarts from the last checkpoint after a rank fails
+    collective_timeout_s: float = 300.0  # a collective unfinished this long ends the job with a report
+    stop_grace_s: float = 30.0  # after Ctrl-C/SIGTERM: time to checkpoint and exit before SIGKILL
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,10 @@ A single-process mesh (`Mesh.single()`) has every axis of size 1 and needs no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +25,54 @@ from .config import Layout
 from .layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
 
 AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective as this rank issued it: enough to tell which peer never arrived."""
+
+    axis: str
+    group: tuple[int, ...]  # global ranks of the axis group this rank belongs to
+    op: str
+    seq: int  # 1 for the first collective this rank issued on `axis`, then 2, 3, ...
+    bytes: int
+    started: float  # time.time() when issued
+    finished: float | None = None  # time.time() when complete; None while in flight
+
+
+class FlightRecorder:
+    """A short, bounded log of this rank's last collectives (NCCL's flight recorder, for gloo too).
+
+    `fivefold.parallel.comm` starts a record before every collective and finishes it when the
+    collective completes (for async work, when its future or handle says so). The watchdog
+    thread reads it, so every access holds the lock.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.records: deque[CollectiveRecord] = deque(maxlen=capacity)
+        self.issued: dict[str, int] = {}  # per axis: sequence number of the last collective issued
+        self.lock = threading.Lock()
+
+    def start(self, axis: str, group: list[int], op: str, nbytes: int) -> CollectiveRecord:
+        with self.lock:
+            seq = self.issued.get(axis, 0) + 1
+            self.issued[axis] = seq
+            record = CollectiveRecord(axis, tuple(group), op, seq, nbytes, time.time())
+            self.records.append(record)
+            return record
+
+    def finish(self, record: CollectiveRecord) -> None:
+        with self.lock:
+            record.finished = time.time()
+
+    def oldest_in_flight(self) -> CollectiveRecord | None:
+        with self.lock:
+            return next((r for r in self.records if r.finished is None), None)
+
+    def dump(self) -> dict[str, Any]:
+        """A JSON-ready copy: the records, oldest first, and the last sequence number per axis."""
+        with self.lock:
+            return {"issued": dict(self.issued), "records": [asdict(r) for r in self.records]}
 
 
 @dataclass
@@ -36,6 +87,7 @@ class CommStats:
     wire: dict[tuple[str, str], int] = field(default_factory=dict)
     buffer: dict[tuple[str, str], int] = field(default_factory=dict)
     calls: dict[tuple[str, str], int] = field(default_factory=dict)
+    flight: FlightRecorder = field(default_factory=FlightRecorder)  # not cleared by reset()
 
     def add(self, axis: str, op: str, buffer_bytes: int, wire_bytes: int) -> None:
         key = (axis, op)
@@ -199,4 +251,4 @@ def device_for(preference: str = "auto") -> torch.device:
     return torch.device("cuda", local)
 
 
-__all__ = ["Axis", "CommStats", "Mesh", "device_for", "ep_index", "edp_index"]
+__all__ = ["Axis", "CollectiveRecord", "CommStats", "FlightRecorder", "Mesh", "device_for", "ep_index", "edp_index"]

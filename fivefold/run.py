@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,11 @@ from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
 
+# The process group's own timeout only backs up the watchdog (which fires first, with a report),
+# e.g. for group creation, which does not go through fivefold.parallel.comm.
+PROCESS_GROUP_TIMEOUT_MARGIN_S = 30.0
+
+
 def init_distributed(config: Config) -> tuple[Mesh, torch.device]:
     """Join the torchrun job (if any) and build the mesh; NCCL on GPUs, gloo on CPUs."""
     device = device_for(config.train.device)
@@ -28,8 +35,39 @@ def init_distributed(config: Config) -> tuple[Mesh, torch.device]:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(seconds=config.train.collective_timeout_s + PROCESS_GROUP_TIMEOUT_MARGIN_S)
+        dist.init_process_group(backend=backend, timeout=timeout)
     return Mesh.build(config.layout, device_type=device.type), device
+
+
+@contextlib.contextmanager
+def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, torch.device]]:
+    """Join the job, watch its collectives, and leave it cleanly.
+
+    The watchdog writes its flight record to $FIVEFOLD_FLIGHT_DIR when the launcher set it,
+    else to `flight_dir`. A rank that finished waits for all others (a watched barrier),
+    stops the watchdog and destroys every process group before the interpreter exits:
+    torch's and gloo's threads are then joined by their owners instead of being torn down
+    at exit while still joinable, which aborted finished jobs ("terminate called without an
+    active exception"). After an exception the peers may never reach the barrier, so the
+    rank only stops its watchdog and lets the exception end the process.
+    """
+    mesh, device = init_distributed(config)
+    if not mesh.is_distributed:
+        yield mesh, device
+        return
+    from .parallel import comm
+
+    folder = Path(os.environ.get(comm.FLIGHT_DIR_ENV) or flight_dir)
+    watchdog = comm.CollectiveWatchdog(mesh.stats.flight, mesh.rank, config.train.collective_timeout_s, folder).start()
+    try:
+        yield mesh, device
+    except BaseException:
+        watchdog.stop()
+        raise
+    comm.barrier(mesh.world)
+    watchdog.stop()
+    dist.destroy_process_group()
 
 
 def new_run_dir(config: Config) -> Path:
@@ -137,20 +175,20 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
 def run_training(config: Config, run_dir: Path | None = None, show_progress: bool = True) -> list[dict]:
     """Train `config` on this process's part of the layout; returns the per-step records."""
     config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
-    mesh, device = init_distributed(config)
-    torch.manual_seed(config.train.seed)
-    data, sampler = load_data(config)
-    model = build(config, mesh, device)
-    is_main = mesh.rank == 0
     run_dir = run_dir or new_run_dir(config)
-    start = resume_step(model, config, run_dir)  # before anything is written to the run directory
-    log = MetricsLog(run_dir, enabled=is_main)
-    if is_main:
-        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-    with _progress(is_main and show_progress, config.train.steps) as progress:
-        records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress)
-    path = None if stopped else save_final_weights(model, run_dir, config)
-    log.close()
+    with distributed_job(config, run_dir / "flight_records") as (mesh, device):
+        torch.manual_seed(config.train.seed)
+        data, sampler = load_data(config)
+        model = build(config, mesh, device)
+        is_main = mesh.rank == 0
+        start = resume_step(model, config, run_dir)  # before anything is written to the run directory
+        log = MetricsLog(run_dir, enabled=is_main)
+        if is_main:
+            (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+        with _progress(is_main and show_progress, config.train.steps) as progress:
+            records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress)
+        path = None if stopped else save_final_weights(model, run_dir, config)
+        log.close()
     if is_main and records:
         first, last = records[0]["loss"], records[-1]["loss"]
         where = f"weights: {path}" if path else "stopped by SIGTERM after a checkpoint"
