@@ -40,7 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from .parallel.comm import COLLECTIVE_TIMEOUT_EXIT, FLIGHT_DIR_ENV, flight_record_path
+from .parallel.comm import COLLECTIVE_TIMEOUT_EXIT, FLIGHT_DIR_ENV, PEER_LOST_EXIT, flight_record_path
 
 POLL_S = 0.05
 FLIGHT_RECORD_WAIT_S = 5.0  # after the first watchdog exit: time for the other ranks' records
@@ -257,54 +257,64 @@ def read_flight_records(folder: Path, world_size: int) -> dict[int, dict[str, An
     return records
 
 
-def ranks_not_arrived(records: dict[int, dict[str, Any]], world_size: int) -> dict[int, str]:
-    """For each rank a waiting rank was waiting for and that never issued that collective:
-    why we think so. A rank without a record is named when a waiting partner expected it."""
-    late: dict[int, str] = {}
+def waits_for(records: dict[int, dict[str, Any]]) -> dict[int, dict[int, str]]:
+    """The wait-for graph: for each rank with a record, the partners of its unfinished
+    collective that never issued it (their sequence number on that axis lags, or they wrote
+    no record at all), each with the evidence."""
+    graph: dict[int, dict[int, str]] = {}
     for rank, record in sorted(records.items()):
         stuck = record["stuck"]
+        graph[rank] = {}
         for peer in stuck["group"]:
             if peer == rank:
                 continue
-            peer_record = records.get(peer)
-            if peer_record is None:
-                late.setdefault(peer, "wrote no flight record")
+            if peer not in records:
+                graph[rank][peer] = "wrote no flight record"
                 continue
-            issued = peer_record["issued"].get(stuck["axis"], 0)
+            issued = records[peer]["issued"].get(stuck["axis"], 0)
             if issued < stuck["seq"]:
-                late.setdefault(peer, f"issued only {issued} collectives on axis {stuck['axis']}")
-    return late
+                graph[rank][peer] = f"its last collective on axis {stuck['axis']} is #{issued}"
+    return graph
+
+
+def ranks_not_arrived(records: dict[int, dict[str, Any]]) -> list[int]:
+    """The ranks at the root of the wait: waited for, and not themselves waiting for anyone
+    (stopped, dead, or busy outside any collective). Ranks blocked only because their own
+    partners are late are not named. A cycle (ranks issuing different collectives) names
+    every rank in it."""
+    graph = waits_for(records)
+    waited_for = {peer for peers in graph.values() for peer in peers}
+    roots = sorted(peer for peer in waited_for if not graph.get(peer))
+    return roots or sorted(waited_for)
 
 
 def describe_wait(record: dict[str, Any]) -> str:
     stuck = record["stuck"]
     waited = record["time"] - stuck["started"]
-    return (
+    text = (
         f"waited {waited:.1f} s in {stuck['op']} #{stuck['seq']} on axis {stuck['axis']} "
         f"(ranks {', '.join(map(str, stuck['group']))}; {stuck['bytes']} bytes)"
     )
+    return text + (f", then it failed: {record['error']}" if record.get("error") else "")
 
 
 def timeout_report(job: Job, attempt: int, outcome: Outcome) -> str:
     """One report for a collective timeout: who did not arrive, then what every rank was doing."""
     records = read_flight_records(attempt_flight_dir(job, attempt), job.world_size)
-    late = ranks_not_arrived(records, job.world_size)
-    lines = []
+    graph, late = waits_for(records), ranks_not_arrived(records)
+    head = f"fivefold: collective timeout (train.collective_timeout_s={job.collective_timeout_s:g})"
     if late:
-        names = ", ".join(str(r) for r in sorted(late))
-        lines.append(f"fivefold: collective timeout (train.collective_timeout_s={job.collective_timeout_s:g}): "
-                     f"rank{'s' if len(late) > 1 else ''} {names} did not arrive")
-    else:
-        lines.append(f"fivefold: collective timeout (train.collective_timeout_s={job.collective_timeout_s:g})")
+        head += f": rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not arrive"
+    lines = [head]
     for rank in range(job.world_size):
         if rank in records:
             what = describe_wait(records[rank])
+            if graph[rank]:
+                what += "; waiting for " + "; ".join(f"rank {p} ({why})" for p, why in sorted(graph[rank].items()))
         elif rank in outcome.stopped_ranks:
-            what = "stopped (SIGSTOP or a debugger); wrote no flight record"
+            what = "stopped (SIGSTOP or a debugger), wrote no flight record"
         else:
             what = f"wrote no flight record (exit status {outcome.codes[rank]})"
-        if rank in late:
-            what += f"; did not arrive: {late[rank]}"
         lines.append(f"  rank {rank}: {what}")
     lines.append(f"  flight records: {attempt_flight_dir(job, attempt)}")
     return "\n".join(lines)
@@ -313,12 +323,16 @@ def timeout_report(job: Job, attempt: int, outcome: Outcome) -> str:
 def failure_report(job: Job, attempt: int, outcome: Outcome) -> str:
     if outcome.timed_out:
         return timeout_report(job, attempt, outcome)
-    parts = []
+    parts, lost = [], []
     for rank, code in enumerate(outcome.codes):
-        if code is None or code == 0:
-            continue
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-        parts.append(f"rank {rank} {how}")
+        if code == PEER_LOST_EXIT:
+            lost.append(rank)
+        elif code is not None and code < 0:
+            parts.append(f"rank {rank} was killed by {signal.Signals(-code).name}")
+        elif code:
+            parts.append(f"rank {rank} exited with status {code}")
+    if lost:
+        parts.append(f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost a peer inside a collective")
     return "fivefold: " + "; ".join(parts or ["a rank failed"])
 
 

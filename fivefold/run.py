@@ -49,8 +49,9 @@ def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, to
     stops the watchdog and destroys every process group before the interpreter exits:
     torch's and gloo's threads are then joined by their owners instead of being torn down
     at exit while still joinable, which aborted finished jobs ("terminate called without an
-    active exception"). After an exception the peers may never reach the barrier, so the
-    rank only stops its watchdog and lets the exception end the process.
+    active exception"). After an exception the peers may never reach the barrier: a
+    collective that failed because a peer went away ends the rank with its flight record and
+    one line (no traceback); any other error keeps its traceback.
     """
     mesh, device = init_distributed(config)
     if not mesh.is_distributed:
@@ -62,8 +63,9 @@ def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, to
     watchdog = comm.CollectiveWatchdog(mesh.stats.flight, mesh.rank, config.train.collective_timeout_s, folder).start()
     try:
         yield mesh, device
-    except BaseException:
+    except BaseException as err:
         watchdog.stop()
+        watchdog.end_if_peer_lost(err)
         raise
     comm.barrier(mesh.world)
     watchdog.stop()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..mesh import Axis, CollectiveRecord, FlightRecorder
 
 COLLECTIVE_TIMEOUT_EXIT = 75  # exit status of a rank ended by its watchdog (EX_TEMPFAIL)
+PEER_LOST_EXIT = 76  # exit status of a rank whose collective failed because a peer went away
 FLIGHT_DIR_ENV = "FIVEFOLD_FLIGHT_DIR"  # set by fivefold.launch: where this attempt's ranks write flight records
 
 
@@ -418,12 +419,14 @@ def flight_record_path(folder: Path, rank: int) -> Path:
     return Path(folder) / f"rank_{rank:05d}.json"
 
 
-def write_flight_record(flight: FlightRecorder, rank: int, folder: Path, stuck: CollectiveRecord, timeout_s: float) -> Path:
+def write_flight_record(
+    flight: FlightRecorder, rank: int, folder: Path, stuck: CollectiveRecord, timeout_s: float, error: str = ""
+) -> Path:
     """Write this rank's flight record as JSON (atomically: a reader never sees half a file)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = flight_record_path(folder, rank)
     body = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-            "timeout_s": timeout_s, "stuck": asdict(stuck), **flight.dump()}
+            "timeout_s": timeout_s, "stuck": asdict(stuck), "error": error, **flight.dump()}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(body, indent=1))
     os.replace(tmp, path)
@@ -461,15 +464,36 @@ class CollectiveWatchdog:
             if stuck is not None and time.time() - stuck.started > self.timeout_s:
                 self._give_up(stuck)
 
+    def end_if_peer_lost(self, err: BaseException) -> None:
+        """After `err` ended the rank's work: when it is the backend failing an in-flight
+        collective (a peer exited, was killed, or timed out first), write the flight record,
+        say so in one line and exit with PEER_LOST_EXIT; otherwise return (a real error keeps
+        its traceback)."""
+        stuck = self.flight.oldest_in_flight()
+        if stuck is None or not is_backend_failure(err):
+            return
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        self._end(stuck, f"failed: {first_line}", PEER_LOST_EXIT, error=first_line)
+
     def _give_up(self, stuck: CollectiveRecord) -> None:
+        waited = f"unfinished after {time.time() - stuck.started:.1f} s (train.collective_timeout_s={self.timeout_s:g})"
+        self._end(stuck, waited, COLLECTIVE_TIMEOUT_EXIT)
+
+    def _end(self, stuck: CollectiveRecord, what: str, code: int, error: str = "") -> None:
         try:
-            where = f"flight record {write_flight_record(self.flight, self.rank, self.folder, stuck, self.timeout_s)}"
+            path = write_flight_record(self.flight, self.rank, self.folder, stuck, self.timeout_s, error)
+            where = f"flight record {path}"
         except OSError as err:
             where = f"could not write the flight record: {err}"
-        print(
-            f"rank {self.rank}: {stuck.op} #{stuck.seq} on axis {stuck.axis} (ranks {list(stuck.group)}) "
-            f"unfinished after {time.time() - stuck.started:.1f} s (train.collective_timeout_s={self.timeout_s:g}); {where}",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(COLLECTIVE_TIMEOUT_EXIT)  # the main thread is blocked in the collective: end the process here
+        sys.stdout.flush()
+        print(f"rank {self.rank}: {stuck.op} #{stuck.seq} on axis {stuck.axis} (ranks {list(stuck.group)}) {what}; {where}",
+              file=sys.stderr, flush=True)
+        os._exit(code)  # the main thread may be blocked in the collective: end the process here
+
+
+def is_backend_failure(err: BaseException) -> bool:
+    """True for the errors gloo and NCCL raise when a collective cannot complete."""
+    if type(err).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(key in text for key in ("gloo", "NCCL", "Connection closed", "Timed out"))
