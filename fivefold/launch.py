@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 from .parallel.comm import COLLECTIVE_TIMEOUT_EXIT, FLIGHT_DIR_ENV, PEER_LOST_EXIT, flight_record_path
 
@@ -147,17 +147,28 @@ def attempt_flight_dir(job: Job, attempt: int) -> Path:
     return job.flight_dir / f"attempt_{attempt}"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the launcher dies, however it dies (Linux)."""
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec function: the rank gets SIGKILL when the launcher dies, however it dies
+    (Linux's parent-death signal). prctl is looked up here, before fork, so the child only
+    calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
     import ctypes
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    launcher = os.getpid()
+
+    def arm() -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # the launcher died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def start_ranks(job: Job, attempt: int, port: int) -> list[subprocess.Popen]:
     command = [sys.executable, *job.command, *(job.resume_args if attempt else ())]
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    preexec = die_with_parent()
     return [
         subprocess.Popen(command, env=rank_env(job, rank, attempt, port), start_new_session=True, preexec_fn=preexec)
         for rank in range(job.world_size)
@@ -188,7 +199,7 @@ def kill_and_reap(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def wait_until(procs: list[subprocess.Popen], deadline: float, done: Any) -> None:
+def wait_until(procs: list[subprocess.Popen], deadline: float, done: Callable[[list[subprocess.Popen]], bool]) -> None:
     while time.monotonic() < deadline and not done(procs):
         time.sleep(POLL_S)
 
@@ -199,6 +210,10 @@ def all_exited(procs: list[subprocess.Popen]) -> bool:
 
 def all_exited_or_stopped(procs: list[subprocess.Popen]) -> bool:
     return all(p.poll() is not None or is_stopped(p.pid) for p in procs)
+
+
+def any_failed(procs: list[subprocess.Popen]) -> bool:
+    return any(p.poll() not in (None, 0) for p in procs)
 
 
 def supervise(procs: list[subprocess.Popen], job: Job, latch: SignalLatch) -> Outcome:
@@ -222,13 +237,14 @@ def stop_on_signal(procs: list[subprocess.Popen], job: Job, latch: SignalLatch) 
     """Forward SIGTERM to every rank; wait for them to checkpoint and exit, within the grace time."""
     first = latch.received[0]
     print(
-        f"fivefold: {signal.Signals(first).name}: stopping all ranks (each saves a checkpoint after its "
+        f"fivefold: {signal.Signals(first).name}: stopping all ranks (training ranks checkpoint after the "
         f"current step; SIGKILL after {job.stop_grace_s:g} s or at a second signal)",
         file=sys.stderr, flush=True,
     )
     signal_all(procs, signal.SIGTERM)
     deadline = time.monotonic() + job.stop_grace_s
-    wait_until(procs, deadline, lambda ps: all_exited(ps) or len(latch.received) > 1)
+    # A rank that died (e.g. signalled before it could checkpoint) leaves the others unable to agree.
+    wait_until(procs, deadline, lambda ps: all_exited(ps) or any_failed(ps) or len(latch.received) > 1)
     return Outcome([p.poll() for p in procs], signal_received=first)
 
 

@@ -43,17 +43,21 @@ class CollectiveRecord:
 class FlightRecorder:
     """A short, bounded log of this rank's last collectives (NCCL's flight recorder, for gloo too).
 
-    `fivefold.parallel.comm` starts a record before every collective and finishes it when the
-    collective completes (for async work, when its future or handle says so). The watchdog
-    thread reads it, so every access holds the lock.
+    `fivefold.parallel.comm` starts a record before every collective and hands back the
+    work handles of async ones; a record is finished when its call returned (blocking) or
+    when `sweep` sees all its handles complete, whether or not anyone waited on them yet.
+    Sweeps run at every new collective and from the watchdog thread, so every access holds
+    the lock; handles are dropped as soon as they complete.
     """
 
     def __init__(self, capacity: int = 64) -> None:
         self.records: deque[CollectiveRecord] = deque(maxlen=capacity)
         self.issued: dict[str, int] = {}  # per axis: sequence number of the last collective issued
+        self.pending: list[tuple[CollectiveRecord, list[Any]]] = []  # async records and their handles
         self.lock = threading.Lock()
 
     def start(self, axis: str, group: list[int], op: str, nbytes: int) -> CollectiveRecord:
+        self.sweep()
         with self.lock:
             seq = self.issued.get(axis, 0) + 1
             self.issued[axis] = seq
@@ -61,13 +65,31 @@ class FlightRecorder:
             self.records.append(record)
             return record
 
-    def finish(self, record: CollectiveRecord) -> None:
+    def issued_async(self, record: CollectiveRecord, works: list[Any]) -> None:
+        """`record` completes with `works` (an empty list: it already completed)."""
         with self.lock:
-            record.finished = time.time()
+            if works:
+                self.pending.append((record, list(works)))
+            else:
+                record.finished = time.time()
+
+    def sweep(self) -> None:
+        with self.lock:
+            still = []
+            for record, works in self.pending:
+                if all(work.is_completed() for work in works):
+                    record.finished = time.time()
+                else:
+                    still.append((record, works))
+            self.pending = still
 
     def oldest_in_flight(self) -> CollectiveRecord | None:
         with self.lock:
             return next((r for r in self.records if r.finished is None), None)
+
+    def newest(self) -> CollectiveRecord | None:
+        with self.lock:
+            return self.records[-1] if self.records else None
 
     def dump(self) -> dict[str, Any]:
         """A JSON-ready copy: the records, oldest first, and the last sequence number per axis."""

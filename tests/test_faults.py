@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from fivefold.checkpoint import checkpoint_root, full_state_of_run, list_checkpoints
 from fivefold.launch import ranks_not_arrived, waits_for
@@ -114,6 +115,33 @@ def final_weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(run_dir / "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------- flight recorder
+
+
+def _flight_log(ctx):
+    from fivefold.config import Layout
+    from fivefold.parallel import comm
+
+    mesh = ctx.mesh(Layout(dp=2))
+    flight = mesh.stats.flight
+    before = flight.issued.get("dp", 0)
+    x = torch.ones(256)
+    comm.all_reduce(x, mesh.dp)
+    work = comm.all_reduce(x, mesh.dp, async_op=True)
+    while not work.is_completed():  # completion, not wait(), is what finishes a record
+        time.sleep(0.001)
+    flight.sweep()
+    done = [(r.axis, r.op, r.seq - before, r.bytes, r.finished is not None) for r in list(flight.records)[-2:]]
+    work.wait()
+    return done, flight.oldest_in_flight()
+
+
+def test_flight_recorder_numbers_collectives_per_axis_and_sees_async_completion(pools):
+    for done, oldest in pools.run(2, _flight_log):
+        assert done == [("dp", "all_reduce", 1, 1024, True), ("dp", "all_reduce", 2, 1024, True)]
+        assert oldest is None
 
 
 # ----------------------------------------------------------------------------- (a) killed ranks

@@ -53,13 +53,9 @@ def _record(axis: Axis, op: str, buffer_bytes: int, wire_bytes: int) -> Collecti
 
 
 def _landed(axis: Axis, record: CollectiveRecord, work: Any) -> Any:
-    """Close `record` when the collective completes: now for a blocking call (`work` is
-    None), from the work's future for async work (it completes whether or not anyone waits)."""
-    flight = axis.stats.flight
-    if work is None:
-        flight.finish(record)
-    else:
-        work.get_future().add_done_callback(lambda _: flight.finish(record))
+    """Hand the collective's outcome to the flight recorder: done for a blocking call (`work`
+    is None), to be swept for async work. Returns `work`."""
+    axis.stats.flight.issued_async(record, [] if work is None else [work])
     return work
 
 
@@ -205,7 +201,7 @@ def send_recv(
     """Post point-to-point sends and receives together (batched); peers are group ranks.
 
     Returns the work handles; the caller waits on them. Only sent bytes are counted. The
-    batch is one flight record, closed when every handle has been seen complete.
+    batch is one flight record, finished when all its handles are complete.
     """
     ops = []
     for tensor, peer in sends:
@@ -217,44 +213,8 @@ def send_recv(
         return []
     record = axis.stats.flight.start(axis.name, axis.ranks, op_name, sum(_nbytes(t) for t, _ in (*sends, *recvs)))
     works = dist.batch_isend_irecv(ops)
-    batch = _P2PBatch(axis.stats.flight, record, len(works))
-    return [_TrackedWork(work, batch) for work in works]
-
-
-class _P2PBatch:
-    """Closes the flight record of a batch of sends/receives once all of them completed."""
-
-    def __init__(self, flight: FlightRecorder, record: CollectiveRecord, pending: int) -> None:
-        self.flight, self.record, self.pending = flight, record, pending
-
-    def one_landed(self) -> None:
-        self.pending -= 1
-        if self.pending == 0:
-            self.flight.finish(self.record)
-
-
-class _TrackedWork:
-    """A point-to-point handle that reports completion to its batch (gloo has no futures for
-    point-to-point work, so completion is seen through wait() and is_completed())."""
-
-    def __init__(self, work: Any, batch: _P2PBatch) -> None:
-        self.work, self.batch, self.seen_complete = work, batch, False
-
-    def wait(self) -> Any:
-        result = self.work.wait()
-        self._complete()
-        return result
-
-    def is_completed(self) -> bool:
-        done = bool(self.work.is_completed())
-        if done:
-            self._complete()
-        return done
-
-    def _complete(self) -> None:
-        if not self.seen_complete:
-            self.seen_complete = True
-            self.batch.one_landed()
+    axis.stats.flight.issued_async(record, works)
+    return works
 
 
 # ----------------------------------------------------------------------------- autograd pairs
@@ -460,6 +420,7 @@ class CollectiveWatchdog:
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(poll):
+            self.flight.sweep()
             stuck = self.flight.oldest_in_flight()
             if stuck is not None and time.time() - stuck.started > self.timeout_s:
                 self._give_up(stuck)
@@ -469,7 +430,8 @@ class CollectiveWatchdog:
         collective (a peer exited, was killed, or timed out first), write the flight record,
         say so in one line and exit with PEER_LOST_EXIT; otherwise return (a real error keeps
         its traceback)."""
-        stuck = self.flight.oldest_in_flight()
+        # The failed collective is still in flight, or (async, already swept as complete) the newest.
+        stuck = self.flight.oldest_in_flight() or self.flight.newest()
         if stuck is None or not is_backend_failure(err):
             return
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
