@@ -48,12 +48,13 @@ def config_from_args(config_name: str | None, layout: str | None, overrides: lis
     return load_config(config_name or "small", extra)
 
 
-def relaunch_under_torchrun(config: Config, argv: list[str]) -> int:
+def launch_local_ranks(config: Config, argv: list[str]) -> int:
     """Re-run this `train` command as the local ranks of a job supervised by fivefold.launch
     (restarts with --resume, collective watchdog, signals); the job's exit status."""
-    from .launch import Job, run_job
+    from .launch import Job, check_fault_settings, run_job
     from .run import new_run_dir
 
+    check_fault_settings(config.train)
     run_dir = new_run_dir(config)
     if not config.train.run_dir:  # every rank and every attempt must write the same folder
         argv = [*argv, "--run-dir", str(run_dir)]
@@ -83,7 +84,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         argv = [a for a in argv]
         if args.layout == "auto":
             argv = _replace_layout_arg(argv, config)
-        return relaunch_under_torchrun(config, argv)
+        return launch_local_ranks(config, argv)
     from .run import run_training
 
     run_training(config)

@@ -404,6 +404,8 @@ class CollectiveWatchdog:
     """
 
     def __init__(self, flight: FlightRecorder, rank: int, timeout_s: float, folder: Path) -> None:
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"train.collective_timeout_s must be a positive number of seconds, got {timeout_s}")
         self.flight, self.rank, self.timeout_s, self.folder = flight, rank, timeout_s, Path(folder)
         self._stop = threading.Event()
         # A daemon: a rank that fails with an exception must still be able to exit.
