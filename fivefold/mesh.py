@@ -205,6 +205,19 @@ class Mesh:
     def world(self) -> Axis:
         return self.axes["world"]
 
+    def release(self) -> None:
+        """Drop this mesh's references to its process groups, after destroy_process_group.
+
+        destroy_process_group only forgets torch's own references: a group that is still
+        referenced keeps its backend and the backend's worker threads alive until
+        interpreter exit, where gloo's threads may need the GIL while Python is being torn
+        down, and the process aborts ("terminate called without an active exception").
+        The caller collects garbage next, so the groups and their threads go away now.
+        """
+        for axis in self.axes.values():
+            axis.group = None
+        self.device_mesh = None
+
     def rank_of(self, coords: Coords) -> int:
         return coords_to_rank(coords, self.layout)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 from pathlib import Path
@@ -45,13 +46,14 @@ def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, to
     """Join the job, watch its collectives, and leave it cleanly.
 
     The watchdog writes its flight record to $FIVEFOLD_FLIGHT_DIR when the launcher set it,
-    else to `flight_dir`. A rank that finished waits for all others (a watched barrier),
-    stops the watchdog and destroys every process group before the interpreter exits:
-    torch's and gloo's threads are then joined by their owners instead of being torn down
-    at exit while still joinable, which aborted finished jobs ("terminate called without an
-    active exception"). After an exception the peers may never reach the barrier: a
-    collective that failed because a peer went away ends the rank with its flight record and
-    one line (no traceback); any other error keeps its traceback.
+    else to `flight_dir`. A rank that finished waits for all others (a watched barrier, so
+    no collective is in flight anywhere), stops the watchdog, destroys every process group
+    and drops the mesh's references to them: the groups' gloo worker threads are joined
+    here, while the interpreter is alive. Left to interpreter exit, they aborted finished
+    jobs ("terminate called without an active exception"). After an exception the peers
+    may never reach the barrier: a collective that failed because a peer went away ends the
+    rank with its flight record and one line (no traceback); any other error keeps its
+    traceback.
     """
     mesh, device = init_distributed(config)
     if not mesh.is_distributed:
@@ -70,6 +72,8 @@ def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, to
     comm.barrier(mesh.world)
     watchdog.stop()
     dist.destroy_process_group()
+    mesh.release()
+    gc.collect()  # the groups (held in reference cycles through the model too) and their threads, now
 
 
 def new_run_dir(config: Config) -> Path:

@@ -277,6 +277,37 @@ def test_finished_jobs_exit_zero_every_time(tmp_path):
         assert (job.run_dir / "model.safetensors").exists()
 
 
+LEAVE_CLEANLY = """
+import os, sys, torch
+from pathlib import Path
+from fivefold.config import load_config
+from fivefold.parallel import comm
+from fivefold.run import distributed_job
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+with distributed_job(load_config("tiny", ["layout.dp=2"]), Path(sys.argv[1])) as (mesh, _):
+    during = threads()
+    comm.all_reduce(torch.ones(8), mesh.dp, async_op=True).wait()
+Path(sys.argv[1], f"threads_{mesh.rank}").write_text(f"{before} {during} {threads()}")
+"""
+
+
+def test_a_finished_rank_joins_every_backend_thread_before_exit(tmp_path):
+    """The cause of the aborts at exit: gloo worker threads still alive when the interpreter
+    is torn down. After distributed_job, a rank has no more threads than before it joined."""
+    from fivefold.launch import Job, run_job
+
+    job = Job(world_size=2, command=("-c", LEAVE_CLEANLY, str(tmp_path)), flight_dir=tmp_path / "flight",
+              env={"PYTHONPATH": str(REPO)})
+    assert run_job(job) == 0
+    for rank in range(2):
+        before, during, after = map(int, (tmp_path / f"threads_{rank}").read_text().split())
+        assert during > before and after <= before, (before, during, after)
+
+
 @pytest.mark.skipif(os.environ.get("FIVEFOLD_SLOW_TESTS") != "1", reason="16 processes; set FIVEFOLD_SLOW_TESTS=1")
 def test_five_dimensional_parity_exits_zero_in_back_to_back_runs(tmp_path):
     cmd = [sys.executable, "-m", "fivefold.cli", "parity", "--config", "tiny-moe",
