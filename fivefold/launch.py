@@ -7,8 +7,8 @@ several nodes). For every attempt it
 - hosts a fresh rendezvous store on a loopback socket (127.0.0.1, a free port chosen by the
   kernel and held from bind to exit, so no other job can take it) and starts each rank with
   torch.distributed's environment variables, gloo bound to the loopback interface too;
-  a fresh store per attempt is what torchrun's own restarts lack: they reuse one store and
-  fail in gloo's connectFullMesh or hang;
+  no key of an earlier attempt can reach a later one (torchrun's own restarts of these
+  jobs failed in gloo's connectFullMesh or hung);
 - watches the ranks: when one exits with an error or is killed, it SIGKILLs the others
   (checkpoints are committed atomically, so nothing saved is lost) and, while restarts are
   left (`train.max_restarts`), starts the next attempt with `--resume`;
