@@ -2,7 +2,8 @@
 
 Configuration flags are dotted keys (`--train.steps 50`, `--layout.tp 2`, or
 `--layout "dp=2,tp=2"`); every key is checked. A layout of more than one process restarts
-the command under torchrun (gloo on CPU, NCCL on CUDA) unless it already runs under it.
+the command as a job of local ranks supervised by `fivefold.launch` (gloo on CPU, NCCL on
+CUDA) unless it already runs under torchrun or the launcher.
 """
 
 from __future__ import annotations
@@ -49,18 +50,6 @@ def config_from_args(config_name: str | None, layout: str | None, overrides: lis
     return load_config(config_name or "small", extra)
 
 
-def relaunch_under_torchrun(world_size: int, argv: list[str]) -> int:
-    """Re-run this command as `world_size` local processes under torchrun."""
-    import subprocess
-
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-        "-m", "fivefold.cli", *argv,
-    ]
-    env = dict(os.environ, FIVEFOLD_LAUNCHED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(cmd, env=env)
-
-
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     adopt_slurm_environment()  # srun tasks join one job like torchrun's workers
     if args.world_size is not None and args.world_size < 1:
@@ -88,18 +77,30 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
 
 
 def launch_training(config: Config, args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
-    """Check the run folder here, then start the layout's processes, all writing to that folder."""
+    """Check the run folder and the data here, then start the layout's local ranks as a job that
+    fivefold.launch supervises (restarts with --resume, collective watchdog, signals), every rank
+    and every attempt writing to that folder. Returns the job's exit status."""
+    from .launch import Job, check_fault_settings, run_job
+    from .loader import check_data_source
     from .rundir import claim
 
-    from .loader import check_data_source
-
+    check_fault_settings(config.train)
     claim(run_dir, config.checkpoint.resume, args.overwrite).release()  # refuse before spawning
     check_data_source(config)  # a missing or bad data file is reported before any process starts
     if args.layout == "auto":
         argv = _replace_layout_arg(argv, config)
     if not args.run_dir:  # every rank must use the folder named here, not its own time stamp
         argv = [*argv, "--run-dir", str(run_dir)]
-    return relaunch_under_torchrun(config.layout.world_size, argv)
+    job = Job(
+        world_size=config.layout.world_size,
+        command=("-m", "fivefold.cli", *argv),
+        resume_args=("--resume",),
+        max_restarts=config.train.max_restarts,
+        collective_timeout_s=config.train.collective_timeout_s,
+        stop_grace_s=config.train.stop_grace_s,
+        flight_dir=run_dir / "flight_records",
+    )
+    return run_job(job)
 
 
 def _replace(obj, **changes):

@@ -134,6 +134,10 @@ class TrainConfig:
     trace: bool = False  # record a per-rank timeline of one step (Gantt PNG + Chrome trace)
     profile: tuple[int, ...] = ()  # steps to record with torch.profiler (RUN_DIR/profile/)
     drift_margin: float = 0.25  # warn when a measurement is off the planner's prediction by more (ratio)
+    # Fault handling of multi-process jobs (fivefold/launch.py, the watchdog in parallel/comm.py).
+    max_restarts: int = 0  # restarts from the last checkpoint after a rank fails
+    collective_timeout_s: float = 300.0  # a collective unfinished this long ends the job with a report
+    stop_grace_s: float = 30.0  # after Ctrl-C/SIGTERM: time to checkpoint and exit before SIGKILL
 
 
 @dataclass(frozen=True)

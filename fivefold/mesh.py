@@ -12,7 +12,10 @@ A single-process mesh (`Mesh.single()`) has every axis of size 1 and needs no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +25,76 @@ from .config import Layout
 from .layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
 
 AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective as this rank issued it: enough to tell which peer never arrived."""
+
+    axis: str
+    group: tuple[int, ...]  # global ranks of the axis group this rank belongs to
+    op: str
+    seq: int  # 1 for the first collective this rank issued on `axis`, then 2, 3, ...
+    bytes: int
+    started: float  # time.time() when issued
+    finished: float | None = None  # time.time() when complete; None while in flight
+
+
+class FlightRecorder:
+    """A short, bounded log of this rank's last collectives (NCCL's flight recorder, for gloo too).
+
+    `fivefold.parallel.comm` starts a record before every collective and hands back the
+    work handles of async ones; a record is finished when its call returned (blocking) or
+    when `sweep` sees all its handles complete, whether or not anyone waited on them yet.
+    Sweeps run at every new collective and from the watchdog thread, so every access holds
+    the lock; handles are dropped as soon as they complete.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.records: deque[CollectiveRecord] = deque(maxlen=capacity)
+        self.issued: dict[str, int] = {}  # per axis: sequence number of the last collective issued
+        self.pending: list[tuple[CollectiveRecord, list[Any]]] = []  # async records and their handles
+        self.lock = threading.Lock()
+
+    def start(self, axis: str, group: list[int], op: str, nbytes: int) -> CollectiveRecord:
+        self.sweep()
+        with self.lock:
+            seq = self.issued.get(axis, 0) + 1
+            self.issued[axis] = seq
+            record = CollectiveRecord(axis, tuple(group), op, seq, nbytes, time.time())
+            self.records.append(record)
+            return record
+
+    def issued_async(self, record: CollectiveRecord, works: list[Any]) -> None:
+        """`record` completes with `works` (an empty list: it already completed)."""
+        with self.lock:
+            if works:
+                self.pending.append((record, list(works)))
+            else:
+                record.finished = time.time()
+
+    def sweep(self) -> None:
+        with self.lock:
+            still = []
+            for record, works in self.pending:
+                if all(work.is_completed() for work in works):
+                    record.finished = time.time()
+                else:
+                    still.append((record, works))
+            self.pending = still
+
+    def oldest_in_flight(self) -> CollectiveRecord | None:
+        with self.lock:
+            return next((r for r in self.records if r.finished is None), None)
+
+    def newest(self) -> CollectiveRecord | None:
+        with self.lock:
+            return self.records[-1] if self.records else None
+
+    def dump(self) -> dict[str, Any]:
+        """A JSON-ready copy: the records, oldest first, and the last sequence number per axis."""
+        with self.lock:
+            return {"issued": dict(self.issued), "records": [asdict(r) for r in self.records]}
 
 
 @dataclass
@@ -36,6 +109,7 @@ class CommStats:
     wire: dict[tuple[str, str], int] = field(default_factory=dict)
     buffer: dict[tuple[str, str], int] = field(default_factory=dict)
     calls: dict[tuple[str, str], int] = field(default_factory=dict)
+    flight: FlightRecorder = field(default_factory=FlightRecorder)  # not cleared by reset()
 
     def add(self, axis: str, op: str, buffer_bytes: int, wire_bytes: int) -> None:
         key = (axis, op)
@@ -131,6 +205,19 @@ class Mesh:
     def world(self) -> Axis:
         return self.axes["world"]
 
+    def release(self) -> None:
+        """Drop this mesh's references to its process groups, after destroy_process_group.
+
+        destroy_process_group only forgets torch's own references: a group that is still
+        referenced keeps its backend and the backend's worker threads alive until
+        interpreter exit, where gloo's threads may need the GIL while Python is being torn
+        down, and the process aborts ("terminate called without an active exception").
+        The caller collects garbage next, so the groups and their threads go away now.
+        """
+        for axis in self.axes.values():
+            axis.group = None
+        self.device_mesh = None
+
     def rank_of(self, coords: Coords) -> int:
         return coords_to_rank(coords, self.layout)
 
@@ -199,4 +286,4 @@ def device_for(preference: str = "auto") -> torch.device:
     return torch.device("cuda", local)
 
 
-__all__ = ["Axis", "CommStats", "Mesh", "device_for", "ep_index", "edp_index"]
+__all__ = ["Axis", "CollectiveRecord", "CommStats", "FlightRecorder", "Mesh", "device_for", "ep_index", "edp_index"]

@@ -1,6 +1,7 @@
 """`fivefold parity --layout "dp=2,tp=2,pp=2" [--steps K] [--config tiny]`.
 
-Trains the single-process reference (in this process) and the layout (under torchrun),
+Trains the single-process reference (in this process) and the layout (ranks started by
+fivefold.launch),
 prints the per-step loss difference and, when a tolerance is exceeded, names the first
 module whose forward output or parameter gradient differs and by how much.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import Config
+from .launch import Job, check_fault_settings, run_job
 from .layout import validate
 from .mesh import Mesh
 from .parity import compare, reference_config, train_trace
@@ -82,6 +83,7 @@ def run_parity_cli(args: argparse.Namespace, overrides: list[str]) -> int:
     from .cli import config_from_args
 
     config = validate(config_from_args(args.config, args.layout, overrides))
+    check_fault_settings(config.train)
     world = config.layout.world_size
     with tempfile.TemporaryDirectory() as tmp:
         ref_path = Path(tmp) / "reference.pt"
@@ -90,23 +92,26 @@ def run_parity_cli(args: argparse.Namespace, overrides: list[str]) -> int:
         if world == 1:
             return check_layout(config, Mesh.single(config.layout), args.steps, ref_path)
         print(f"training layout {args.layout} on {world} processes ...")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", "fivefold.parity_cli", str(ref_path), str(args.steps), args.config, args.layout, *overrides,
-        ]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        return 1 if subprocess.call(cmd, env=env) else 0
+        job = Job(
+            world_size=world,
+            command=("-m", "fivefold.parity_cli", str(ref_path), str(args.steps), args.config, args.layout, *overrides),
+            max_restarts=config.train.max_restarts,
+            collective_timeout_s=config.train.collective_timeout_s,
+            stop_grace_s=config.train.stop_grace_s,
+            flight_dir=Path(tmp) / "flight_records",
+        )
+        return 1 if run_job(job) else 0
 
 
 def _worker_main(argv: list[str]) -> int:
     """Entry point of each torchrun rank: reference path, steps, config, layout, overrides."""
     from .cli import config_from_args
-    from .run import init_distributed
+    from .run import distributed_job
 
     ref_path, steps, config_name, layout, *overrides = argv
     config = validate(config_from_args(config_name, layout, overrides), int(os.environ["WORLD_SIZE"]))
-    mesh, _ = init_distributed(config)
-    return check_layout(config, mesh, int(steps), Path(ref_path))
+    with distributed_job(config, Path(ref_path).parent / "flight_records") as (mesh, _):
+        return check_layout(config, mesh, int(steps), Path(ref_path))
 
 
 if __name__ == "__main__":

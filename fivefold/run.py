@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
+import gc
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,11 @@ from .timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
 
+# The process group's own timeout only backs up the watchdog (which fires first, with a report),
+# e.g. for group creation, which does not go through fivefold.parallel.comm.
+PROCESS_GROUP_TIMEOUT_MARGIN_S = 30.0
+
+
 def init_distributed(config: Config) -> tuple[Mesh, torch.device]:
     """Join the torchrun job (if any) and build the mesh; NCCL on GPUs, gloo on CPUs."""
     device = device_for(config.train.device)
@@ -39,13 +46,49 @@ def init_distributed(config: Config) -> tuple[Mesh, torch.device]:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(seconds=config.train.collective_timeout_s + PROCESS_GROUP_TIMEOUT_MARGIN_S)
+        dist.init_process_group(backend=backend, timeout=timeout)
         check_same_job(config)  # before the mesh: nodes with other layouts would wait for each other's groups
     return Mesh.build(config.layout, device_type=device.type), device
 
 
 class RunError(RuntimeError):
     """A run that had to stop; the message says why, and what was kept."""
+
+
+@contextlib.contextmanager
+def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, torch.device]]:
+    """Join the job, watch its collectives, and leave it cleanly.
+
+    The watchdog writes its flight record to $FIVEFOLD_FLIGHT_DIR when the launcher set it,
+    else to `flight_dir`. A rank that finished waits for all others (a watched barrier, so
+    no collective is in flight anywhere), stops the watchdog, destroys every process group
+    and drops the mesh's references to them: the groups' gloo worker threads are joined
+    here, while the interpreter is alive. Left to interpreter exit, they aborted finished
+    jobs ("terminate called without an active exception"). After an exception the peers
+    may never reach the barrier: a collective that failed because a peer went away ends the
+    rank with its flight record and one line (no traceback); any other error keeps its
+    traceback.
+    """
+    mesh, device = init_distributed(config)
+    if not mesh.is_distributed:
+        yield mesh, device
+        return
+    from .parallel import comm
+
+    folder = Path(os.environ.get(comm.FLIGHT_DIR_ENV) or flight_dir)
+    watchdog = comm.CollectiveWatchdog(mesh.stats.flight, mesh.rank, config.train.collective_timeout_s, folder).start()
+    try:
+        yield mesh, device
+    except BaseException as err:
+        watchdog.stop()
+        watchdog.end_if_peer_lost(err)
+        raise
+    comm.barrier(mesh.world)
+    watchdog.stop()
+    dist.destroy_process_group()
+    mesh.release()
+    gc.collect()  # the groups (held in reference cycles through the model too) and their threads, now
 
 
 def new_run_dir(config: Config) -> Path:
@@ -244,14 +287,14 @@ def run_training(
     """
     config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
     check_machine(config)
-    mesh, device = init_distributed(config)
     run_dir = Path(run_dir or new_run_dir(config))
-    lock = claim_run_dir(run_dir, config, mesh, device, overwrite)
-    try:
-        return _train_in(config, run_dir, mesh, device, show_progress)
-    finally:
-        if lock is not None:
-            lock.release()
+    with distributed_job(config, run_dir / "flight_records") as (mesh, device):
+        lock = claim_run_dir(run_dir, config, mesh, device, overwrite)
+        try:
+            return _train_in(config, run_dir, mesh, device, show_progress)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _train_in(config: Config, run_dir: Path, mesh: Mesh, device: torch.device, show_progress: bool) -> list[dict]:

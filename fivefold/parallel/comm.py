@@ -11,25 +11,52 @@ An axis of size 1 short-circuits every operation, so single-process code pays no
 Wire bytes per rank (n = group size, B = full buffer bytes):
 all-reduce 2(n-1)/n B; all-gather and reduce-scatter (n-1)/n B; all-to-all the bytes
 sent to other ranks; point-to-point the bytes sent.
+
+Every collective is also logged in the mesh's flight recorder (`CommStats.flight`): axis,
+op, sequence number on that axis, bytes, start time and whether it completed. A
+`CollectiveWatchdog` thread per rank ends the rank with a flight record on disk when one
+stays unfinished longer than `train.collective_timeout_s`; `fivefold.launch` turns the
+records of all ranks into one report that names the rank that did not arrive.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Sequence
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..mesh import Axis
+from ..mesh import Axis, CollectiveRecord, FlightRecorder
+
+COLLECTIVE_TIMEOUT_EXIT = 75  # exit status of a rank ended by its watchdog (EX_TEMPFAIL)
+PEER_LOST_EXIT = 76  # exit status of a rank whose collective failed because a peer went away
+FLIGHT_DIR_ENV = "FIVEFOLD_FLIGHT_DIR"  # set by fivefold.launch: where this attempt's ranks write flight records
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _record(axis: Axis, op: str, buffer_bytes: int, wire_bytes: int) -> None:
+def _record(axis: Axis, op: str, buffer_bytes: int, wire_bytes: int) -> CollectiveRecord:
+    """Count the bytes and open the collective's flight record."""
     axis.stats.add(axis.name, op, buffer_bytes, wire_bytes)
+    return axis.stats.flight.start(axis.name, axis.ranks, op, buffer_bytes)
+
+
+def _landed(axis: Axis, record: CollectiveRecord, work: Any) -> Any:
+    """Hand the collective's outcome to the flight recorder: done for a blocking call (`work`
+    is None), to be swept for async work. Returns `work`."""
+    axis.stats.flight.issued_async(record, [] if work is None else [work])
+    return work
 
 
 # ----------------------------------------------------------------------------- plain collectives
@@ -40,9 +67,9 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool
     if axis.size == 1:
         return None
     n = axis.size
-    _record(axis, "all_reduce", _nbytes(tensor), 2 * (n - 1) * _nbytes(tensor) // n)
+    record = _record(axis, "all_reduce", _nbytes(tensor), 2 * (n - 1) * _nbytes(tensor) // n)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    work = dist.all_reduce(tensor, op=reduce_op, group=axis.group, async_op=async_op)
+    work = _landed(axis, record, dist.all_reduce(tensor, op=reduce_op, group=axis.group, async_op=async_op))
     if op == "avg":
         if async_op:
             return _DivideOnWait(work, tensor, n)
@@ -71,8 +98,8 @@ def all_gather(tensor: torch.Tensor, axis: Axis, dim: int = 0, async_op: bool = 
     if dim != 0:
         local = local.movedim(dim, 0).contiguous()
         out = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-    _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
-    work = dist.all_gather_single(out, local, group=axis.group, async_op=async_op)
+    record = _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
+    work = _landed(axis, record, dist.all_gather_single(out, local, group=axis.group, async_op=async_op))
     if dim != 0:
         if async_op:
             work.wait()
@@ -93,8 +120,8 @@ def all_gather_into(out: torch.Tensor, local: torch.Tensor, axis: Axis, async_op
     if n == 1:
         out.copy_(local.reshape(out.shape))
         return None
-    _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
-    return dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op)
+    record = _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
+    return _landed(axis, record, dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op))
 
 
 def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "sum", async_op: bool = False):
@@ -107,8 +134,10 @@ def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "su
     if full.shape[0] % n:
         raise ValueError(f"reduce_scatter on axis {axis.name}: dim size {full.shape[0]} not divisible by {n}")
     out = torch.empty((full.shape[0] // n,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
-    _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
-    work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
+    record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
+    work = _landed(
+        axis, record, dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
+    )
     if async_op and (op == "avg" or dim != 0):
         work.wait()
         work = None
@@ -123,9 +152,16 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src_group_rank: int = 0) -> torc
     if axis.size == 1:
         return tensor
     n = axis.size
-    _record(axis, "broadcast", _nbytes(tensor), (n - 1) * _nbytes(tensor) // n)
-    dist.broadcast(tensor, src=axis.global_rank(src_group_rank), group=axis.group)
+    record = _record(axis, "broadcast", _nbytes(tensor), (n - 1) * _nbytes(tensor) // n)
+    _landed(axis, record, dist.broadcast(tensor, src=axis.global_rank(src_group_rank), group=axis.group))
     return tensor
+
+
+def barrier(axis: Axis) -> None:
+    """Wait until every rank of the axis got here (logged in the flight recorder, no bytes counted)."""
+    if axis.size == 1:
+        return
+    _landed(axis, axis.stats.flight.start(axis.name, axis.ranks, "barrier", 0), dist.barrier(group=axis.group))
 
 
 def all_to_all(
@@ -148,10 +184,11 @@ def all_to_all(
     row_bytes = tensor.element_size() * math.prod(tensor.shape[1:])
     out = torch.empty((sum(recv_splits),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     sent_to_others = sum(s for i, s in enumerate(send_splits) if i != axis.rank) * row_bytes
-    _record(axis, "all_to_all", _nbytes(tensor), sent_to_others)
+    record = _record(axis, "all_to_all", _nbytes(tensor), sent_to_others)
     dist.all_to_all_single(
         out, tensor, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=axis.group
     )
+    _landed(axis, record, None)
     return out
 
 
@@ -163,17 +200,21 @@ def send_recv(
 ) -> list:
     """Post point-to-point sends and receives together (batched); peers are group ranks.
 
-    Returns the work handles; the caller waits on them. Only sent bytes are counted.
+    Returns the work handles; the caller waits on them. Only sent bytes are counted. The
+    batch is one flight record, finished when all its handles are complete.
     """
     ops = []
     for tensor, peer in sends:
-        _record(axis, op_name, _nbytes(tensor), _nbytes(tensor))
+        axis.stats.add(axis.name, op_name, _nbytes(tensor), _nbytes(tensor))
         ops.append(dist.P2POp(dist.isend, tensor.contiguous(), axis.global_rank(peer), group=axis.group))
     for tensor, peer in recvs:
         ops.append(dist.P2POp(dist.irecv, tensor, axis.global_rank(peer), group=axis.group))
     if not ops:
         return []
-    return dist.batch_isend_irecv(ops)
+    record = axis.stats.flight.start(axis.name, axis.ranks, op_name, sum(_nbytes(t) for t, _ in (*sends, *recvs)))
+    works = dist.batch_isend_irecv(ops)
+    axis.stats.flight.issued_async(record, works)
+    return works
 
 
 # ----------------------------------------------------------------------------- autograd pairs
@@ -329,3 +370,94 @@ def all_to_all_autograd(
 def sum_over(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """All-reduce sum whose gradient is also summed: for statistics every rank uses in its loss."""
     return x if axis.size == 1 else _AllReduceSum.apply(x, axis)
+
+
+# ----------------------------------------------------------------------------- watchdog
+
+
+def flight_record_path(folder: Path, rank: int) -> Path:
+    return Path(folder) / f"rank_{rank:05d}.json"
+
+
+def write_flight_record(
+    flight: FlightRecorder, rank: int, folder: Path, stuck: CollectiveRecord, timeout_s: float, error: str = ""
+) -> Path:
+    """Write this rank's flight record as JSON (atomically: a reader never sees half a file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = flight_record_path(folder, rank)
+    body = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
+            "timeout_s": timeout_s, "stuck": asdict(stuck), "error": error, **flight.dump()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+class CollectiveWatchdog:
+    """Ends this rank when one of its collectives stays unfinished longer than `timeout_s`.
+
+    A peer that died, stopped or took another branch leaves its partners blocked inside a
+    collective; gloo would only notice at the process-group timeout, NCCL perhaps never. The
+    watchdog writes the flight record (what this rank was waiting for, and its last
+    collectives) to `folder` and exits with COLLECTIVE_TIMEOUT_EXIT: the launcher then
+    reports, from all ranks' records, which rank did not arrive.
+    """
+
+    def __init__(self, flight: FlightRecorder, rank: int, timeout_s: float, folder: Path) -> None:
+        if not 0 < timeout_s < math.inf:
+            raise ValueError(f"train.collective_timeout_s must be a positive number of seconds, got {timeout_s}")
+        self.flight, self.rank, self.timeout_s, self.folder = flight, rank, timeout_s, Path(folder)
+        self._stop = threading.Event()
+        # A daemon: a rank that fails with an exception must still be able to exit.
+        self._thread = threading.Thread(target=self._watch, name="fivefold-collective-watchdog", daemon=True)
+
+    def start(self) -> "CollectiveWatchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        poll = min(1.0, self.timeout_s / 10)
+        while not self._stop.wait(poll):
+            self.flight.sweep()
+            stuck = self.flight.oldest_in_flight()
+            if stuck is not None and time.time() - stuck.started > self.timeout_s:
+                self._give_up(stuck)
+
+    def end_if_peer_lost(self, err: BaseException) -> None:
+        """After `err` ended the rank's work: when it is the backend failing an in-flight
+        collective (a peer exited, was killed, or timed out first), write the flight record,
+        say so in one line and exit with PEER_LOST_EXIT; otherwise return (a real error keeps
+        its traceback)."""
+        # The failed collective is still in flight, or (async, already swept as complete) the newest.
+        stuck = self.flight.oldest_in_flight() or self.flight.newest()
+        if stuck is None or not is_backend_failure(err):
+            return
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        self._end(stuck, f"failed: {first_line}", PEER_LOST_EXIT, error=first_line)
+
+    def _give_up(self, stuck: CollectiveRecord) -> None:
+        waited = f"unfinished after {time.time() - stuck.started:.1f} s (train.collective_timeout_s={self.timeout_s:g})"
+        self._end(stuck, waited, COLLECTIVE_TIMEOUT_EXIT)
+
+    def _end(self, stuck: CollectiveRecord, what: str, code: int, error: str = "") -> None:
+        try:
+            path = write_flight_record(self.flight, self.rank, self.folder, stuck, self.timeout_s, error)
+            where = f"flight record {path}"
+        except OSError as err:
+            where = f"could not write the flight record: {err}"
+        sys.stdout.flush()
+        print(f"rank {self.rank}: {stuck.op} #{stuck.seq} on axis {stuck.axis} (ranks {list(stuck.group)}) {what}; {where}",
+              file=sys.stderr, flush=True)
+        os._exit(code)  # the main thread may be blocked in the collective: end the process here
+
+
+def is_backend_failure(err: BaseException) -> bool:
+    """True for the errors gloo and NCCL raise when a collective cannot complete."""
+    if type(err).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(key in text for key in ("gloo", "NCCL", "Connection closed", "Timed out"))
