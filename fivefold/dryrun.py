@@ -302,9 +302,10 @@ class _FakeSampler:
     def __init__(self, config: Config) -> None:
         self.train = config.train
 
-    def local_batch_at(self, step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_rows_at(self, step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """(inputs, targets, documents) as the training loop asks a sampler: one unbroken text."""
         shape = (self.train.global_batch // dp_size, self.train.seq_len)
-        return torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64)
+        return torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64), None
 
 
 @contextlib.contextmanager
