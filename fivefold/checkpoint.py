@@ -85,7 +85,7 @@ import torch.nn as nn
 from .config import Config, ModelConfig, check_values, config_from_dict
 from .model.init import canonical_name
 from .parallel import comm
-from .parallel.sharding import Placement, get_placement
+from .parallel.sharding import Placement, ShardSpec, get_placement
 from .rundir import describe_write_error, fsync_path, write_errors, write_json
 
 FORMAT = "fivefold-checkpoint/1"
@@ -108,48 +108,6 @@ class IncompatibleCheckpoint(CheckpointError):
 
 
 # ------------------------------------------------------------------------------ shard regions
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Which elements of the global tensor `name` a local tensor holds.
-
-    The box (offsets, shape) is in the coordinates of the (possibly padded) global tensor;
-    `flat`, when set, narrows it to elements [start, start + length) of the box's row-major
-    flattening, and the local tensor is then 1-D of that length.
-    """
-
-    name: str
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    flat: tuple[int, int] | None = None
-    replicated_over: tuple[str, ...] = ()
-
-    @classmethod
-    def from_placement(
-        cls, placement: Placement, flat: tuple[int, int] | None = None, replicated_over: tuple[str, ...] | None = None
-    ) -> "ShardSpec":
-        offsets, shape = placement.box()
-        over = placement.replicated_over if replicated_over is None else replicated_over
-        return cls(placement.name, tuple(placement.global_shape), tuple(offsets), tuple(shape), flat, tuple(over))
-
-    @classmethod
-    def whole(cls, name: str, shape: tuple[int, ...]) -> "ShardSpec":
-        return cls(name, tuple(shape), (0,) * len(shape), tuple(shape))
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return (self.flat[1],) if self.flat is not None else self.shape
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "global_shape": list(self.global_shape), "offsets": list(self.offsets),
-                "shape": list(self.shape), "flat": list(self.flat) if self.flat is not None else None}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ShardSpec":
-        flat = tuple(d["flat"]) if d.get("flat") is not None else None
-        return cls(d["name"], tuple(d["global_shape"]), tuple(d["offsets"]), tuple(d["shape"]), flat)
 
 
 def _bounds(spec: ShardSpec) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:

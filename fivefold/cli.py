@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from .cluster import adopt_slurm_environment, job_world_size, where_prefix
-from .config import Config, ConfigError, load_config, preset_names
-from .layout import LayoutError, parse_layout_string, validate
+from .config import Config, ConfigError, preset_names
+from .layout import LayoutError, config_from_args, validate  # noqa: F401 (config_from_args: the CLI's API)
 
 
 class CliError(Exception):
@@ -41,13 +41,6 @@ def split_dotted(argv: list[str]) -> tuple[list[str], list[str]]:
             rest.append(arg)
         i += 1
     return rest, overrides
-
-
-def config_from_args(config_name: str | None, layout: str | None, overrides: list[str]) -> Config:
-    extra = list(overrides)
-    if layout and layout != "auto":
-        extra = [f"layout.{k}={v}" for k, v in parse_layout_string(layout).items()] + extra
-    return load_config(config_name or "small", extra)
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:

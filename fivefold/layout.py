@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import Config, Layout, ModelConfig, TrainConfig, check_values
+from .config import Config, Layout, ModelConfig, TrainConfig, check_values, load_config
 from .precision import PrecisionError, PrecisionPolicy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -372,3 +372,11 @@ def parse_layout_string(text: str) -> dict[str, str]:
     if not values:
         raise LayoutError(f"--layout '{text}' names no axis; give e.g. \"dp=2,tp=2\"")
     return values
+
+
+def config_from_args(config_name: str | None, layout: str | None, overrides: list[str]) -> Config:
+    """The config of a command line: a preset or TOML path, a layout string, dotted overrides."""
+    extra = list(overrides)
+    if layout and layout != "auto":
+        extra = [f"layout.{k}={v}" for k, v in parse_layout_string(layout).items()] + extra
+    return load_config(config_name or "small", extra)

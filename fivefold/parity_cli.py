@@ -18,7 +18,7 @@ import torch
 
 from .config import Config
 from .launch import Job, check_fault_settings, run_job
-from .layout import validate
+from .layout import config_from_args, validate
 from .mesh import Mesh
 from .parity import compare, reference_config, train_trace
 
@@ -80,7 +80,6 @@ def check_layout(config: Config, mesh: Mesh, steps: int, ref_path: Path) -> int:
 
 
 def run_parity_cli(args: argparse.Namespace, overrides: list[str]) -> int:
-    from .cli import config_from_args
 
     config = validate(config_from_args(args.config, args.layout, overrides))
     check_fault_settings(config.train)
@@ -105,7 +104,6 @@ def run_parity_cli(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _worker_main(argv: list[str]) -> int:
     """Entry point of each torchrun rank: reference path, steps, config, layout, overrides."""
-    from .cli import config_from_args
     from .run import distributed_job
 
     ref_path, steps, config_name, layout, *overrides = argv

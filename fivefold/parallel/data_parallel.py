@@ -639,7 +639,7 @@ def _copy_runs(bucket: FlatBucket, lo: int, hi: int, mesh: Mesh, sharded: bool) 
 
 def _flat_runs(buckets: list[FlatBucket], ranges: list[tuple[int, int]], sharded: bool):
     """(bucket index, segment, [start, end) in flat coordinates, ShardSpec) of every owned run."""
-    from ..checkpoint import ShardSpec
+    from .sharding import ShardSpec
 
     for i, (bucket, (lo, hi)) in enumerate(zip(buckets, ranges)):
         for seg, start, end in bucket.runs(lo, hi):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -200,3 +201,48 @@ def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = Transformer(config)
     return {n: tuple(t.shape) for n, t in _local_tensors(model)}
+
+
+# ------------------------------------------------------------------------------ shard regions
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which elements of the global tensor `name` a local tensor holds.
+
+    The box (offsets, shape) is in the coordinates of the (possibly padded) global tensor;
+    `flat`, when set, narrows it to elements [start, start + length) of the box's row-major
+    flattening, and the local tensor is then 1-D of that length.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    flat: tuple[int, int] | None = None
+    replicated_over: tuple[str, ...] = ()
+
+    @classmethod
+    def from_placement(
+        cls, placement: Placement, flat: tuple[int, int] | None = None, replicated_over: tuple[str, ...] | None = None
+    ) -> "ShardSpec":
+        offsets, shape = placement.box()
+        over = placement.replicated_over if replicated_over is None else replicated_over
+        return cls(placement.name, tuple(placement.global_shape), tuple(offsets), tuple(shape), flat, tuple(over))
+
+    @classmethod
+    def whole(cls, name: str, shape: tuple[int, ...]) -> "ShardSpec":
+        return cls(name, tuple(shape), (0,) * len(shape), tuple(shape))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.flat[1],) if self.flat is not None else self.shape
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "global_shape": list(self.global_shape), "offsets": list(self.offsets),
+                "shape": list(self.shape), "flat": list(self.flat) if self.flat is not None else None}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ShardSpec":
+        flat = tuple(d["flat"]) if d.get("flat") is not None else None
+        return cls(d["name"], tuple(d["global_shape"]), tuple(d["offsets"]), tuple(d["shape"]), flat)
