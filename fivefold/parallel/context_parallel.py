@@ -31,18 +31,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import Config
+from ..layout import ZIGZAG_ALGORITHMS
+from ..layout import sequence_chunks as chunk_count
 from ..mesh import Axis, Mesh
 from . import comm
 
-ZIGZAG_ALGORITHMS = ("ring",)
 
 
 # ----------------------------------------------------------------------------- sequence layout (pure)
-
-
-def chunk_count(algorithm: str, cp: int) -> int:
-    """How many equal chunks each sequence is cut into: 2cp for zigzag, cp otherwise."""
-    return 2 * cp if algorithm in ZIGZAG_ALGORITHMS else cp
 
 
 def local_chunks(algorithm: str, cp: int, rank: int) -> list[int]:
