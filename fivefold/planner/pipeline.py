@@ -23,28 +23,33 @@ def in_flight(layout: LayoutSpec, stage: int) -> float:
     * GPipe (Huang et al. 2019): all m forwards run before the first backward: m;
     * 1F1B (Narayanan et al. 2021, PipeDream-Flush) and ZB-H1 (Qi et al. 2023, same peak
       memory as 1F1B): stage i warms up with p - i forwards: min(m, p - i);
-    * interleaved (Narayanan et al. 2021): stage i runs 2(p - i - 1) + (v - 1)p + 1 chunk
-      forwards before its first backward (Megatron-LM's warm-up count), each holding 1/v of
-      the stage's layers. On the first stage this is p(1 + (p - 1)/(p v)), the factor
-      reported by Korthikanti et al. 2022 (Section 4.2.3).
+    * interleaved: fivefold's table (`parallel.schedules.interleaved_1f1b`) holds at most
+      v p - i chunk forwards on stage i, each 1/v of the stage's layers: p on the first
+      stage whatever v. Megatron-LM's table warms up longer, 2(p - i - 1) + (v - 1)p + 1
+      chunks (the factor p(1 + (p - 1)/(p v)) of Korthikanti et al. 2022, Section 4.2.3);
+      fivefold plans for the table it runs (tests/test_shared_rules.py replays it).
     """
     p, m, v = layout.pp, layout.num_micro_batches, layout.vpp
     if p == 1:
         return 1.0
     if layout.schedule == "gpipe":
         return float(m)
-    if layout.schedule == "interleaved" and v > 1:  # with one chunk the runtime's table warms up like 1F1B
-        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-        return chunks / v
+    if layout.schedule == "interleaved":
+        return min(v * p - stage, m * v) / v
     return float(min(m, p - stage))
 
 
 def in_flight_embedding(layout: LayoutSpec) -> float:
-    """Micro-batches whose embedding activations the first stage holds at peak."""
+    """Micro-batches whose embedding activations the first stage holds at peak: the
+    forwards its first chunk runs before that chunk's first backward (with interleaving,
+    fivefold's table runs two rounds of p before it)."""
     if layout.pp == 1:
         return 1.0
     m = layout.num_micro_batches
-    return float(m) if layout.schedule == "gpipe" else float(min(m, layout.pp))
+    if layout.schedule == "gpipe":
+        return float(m)
+    rounds = 2 if layout.schedule == "interleaved" and layout.vpp > 1 else 1
+    return float(min(m, rounds * layout.pp))
 
 
 def in_flight_output(layout: LayoutSpec) -> float:
