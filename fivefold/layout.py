@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .config import Config, Layout, ModelConfig, TrainConfig
+from .volumes import local_kv_heads, vocab_rows_per_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_ALGORITHMS = ("allgather", "ring", "ulysses")
@@ -158,9 +159,9 @@ def _check_tensor_parallel(layout: Layout, model: ModelConfig, train: TrainConfi
 
 def _check_vocab_split(vocab: int, tp: int) -> None:
     """The vocabulary is padded to a multiple of tp; every rank must own at least one real token."""
-    width = -(-vocab // tp)
+    width = vocab_rows_per_rank(vocab, tp)
     if vocab <= (tp - 1) * width:
-        largest = max(d for d in range(1, tp) if vocab > (d - 1) * -(-vocab // d))
+        largest = max(d for d in range(1, tp) if vocab > (d - 1) * vocab_rows_per_rank(vocab, d))
         raise LayoutError(
             f"model.vocab_size={vocab} split over tp={tp} leaves rank {tp - 1} only padding "
             f"({width} rows each); use tp <= {largest} or a larger vocabulary"
@@ -251,7 +252,7 @@ def _check_ulysses_heads(layout: Layout, model: ModelConfig) -> None:
     """
     cp = layout.cp
     local_heads = model.heads // layout.tp
-    local_kv = max(model.n_kv_heads // layout.tp, 1)
+    local_kv = local_kv_heads(model.n_kv_heads, layout.tp)
     kv_ok = local_kv % cp == 0 or cp % local_kv == 0
     if local_heads % cp or not kv_ok:
         options = [d for d in divisors(local_heads) if local_kv % d == 0 or d % local_kv == 0]

@@ -157,3 +157,36 @@ def test_pp_layers_round_trip_between_planner_and_runtime():
     assert counts == [9, 8, 8, 7]
     with pytest.raises(PlanError, match="sum to the model's 32 layers"):
         estimate(model, LayoutSpec(pp=4, global_batch=8, pp_layers=(9, 8, 8, 8)))
+
+
+@pytest.mark.parametrize("preset", ("tiny", "tiny-moe", "small-moe", "llama3-8b"))
+@pytest.mark.parametrize("tied", (False, True))
+def test_planner_parameter_count_is_the_runtime_models(preset, tied):
+    import torch
+
+    from fivefold.model import Transformer, count_parameters
+
+    model = load_config(preset, [f"model.tied_embeddings={str(tied).lower()}"]).model
+    with torch.device("meta"):
+        built = Transformer(model)
+    assert model_spec(model, 128).num_params() == count_parameters(built)
+
+
+def test_vocab_split_rule_is_the_tensor_parallel_padding():
+    """validate refuses a tp exactly when the padded vocab-parallel split leaves the last rank
+    only padding rows (the rows the runtime's embedding and head hold)."""
+    from fivefold.parallel.tensor_parallel import padded_vocab
+    from fivefold.volumes import vocab_rows_per_rank
+
+    for vocab in (8, 9, 10, 13, 256, 259):
+        for tp in (2, 4, 8):
+            rows = vocab_rows_per_rank(vocab, tp)
+            assert padded_vocab(vocab, tp) == rows * tp >= vocab
+            config = load_config("tiny", [f"model.vocab_size={vocab}", f"layout.tp={tp}", "model.heads=8",
+                                          "model.kv_heads=8"])
+            try:
+                validate(config)
+                accepted = True
+            except LayoutError:
+                accepted = False
+            assert accepted == (vocab > (tp - 1) * rows), (vocab, tp)
