@@ -467,9 +467,7 @@ def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precisi
     lay = layout
     rate = hw.peak(precision) * hw.matmul_efficiency
     p, v, mbs = lay.pp, lay.vpp, lay.num_micro_batches
-    groups = cache.stage_groups(lay)  # the least-loaded stage's dense and MoE layers, at most
-    n_dense = min(nd for _, nd, _ in groups)
-    n_moe = min(nm for _, _, nm in groups)
+    n_dense, n_moe = cache.memo(("least loaded", lay.pp, lay.vpp, lay.pp_layers), lambda: _least_loaded(cache, lay))
     per = [(False, n_dense)] if n_dense else []
     if n_moe:
         per.append((True, n_moe))
@@ -484,6 +482,12 @@ def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precisi
     if lay.schedule == "zb-h1":
         bubble /= 3
     return mbs * t_mb * (1 + bubble / mbs)
+
+
+def _least_loaded(cache: CostCache, lay: LayoutSpec) -> tuple[int, int]:
+    """(dense, MoE) layers that every pipeline stage of ``lay`` holds at least."""
+    groups = cache.stage_groups(lay)
+    return min(nd for _, nd, _ in groups), min(nm for _, _, nm in groups)
 
 
 def _dp_exposed(colls: list[Collective], hw: Hardware, mbs: int, buckets: int,
