@@ -190,3 +190,15 @@ def test_vocab_split_rule_is_the_tensor_parallel_padding():
             except LayoutError:
                 accepted = False
             assert accepted == (vocab > (tp - 1) * rows), (vocab, tp)
+
+
+def test_the_planner_and_the_shared_rules_import_no_torch():
+    """The shared modules sit low in the import order: the planner loads them without torch.
+    A fresh interpreter is the only place where this can be seen (this one has torch loaded)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fivefold.planner, fivefold.planner.estimate, fivefold.stages, fivefold.flops, "
+            "fivefold.volumes; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
