@@ -202,3 +202,17 @@ def test_the_planner_and_the_shared_rules_import_no_torch():
             "fivefold.volumes; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_runs_pp_layers_reach_the_planners_prediction():
+    import torch
+
+    from fivefold.prediction import predict_run
+
+    first_heavy = validate(load_config("tiny", ["layout.pp=2", "layout.pp_layers=3,1"]))
+    last_heavy = validate(load_config("tiny", ["layout.pp=2", "layout.pp_layers=1,3"]))
+    assert layout_spec(first_heavy.layout, 8).pp_layers == (3, 1)
+    heavy, light = estimate_run(first_heavy).stage_memory, estimate_run(last_heavy).stage_memory
+    assert heavy[0] > light[0] and heavy[1] < light[1]
+    logged = predict_run(first_heavy, torch.device("cpu"))
+    assert "error" not in logged
