@@ -37,7 +37,6 @@ from ..mesh import Axis, Mesh
 from . import comm
 
 
-
 # ----------------------------------------------------------------------------- sequence layout (pure)
 
 
