@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from .config import Config, Layout, ModelConfig, TrainConfig, check_values, load_config
 from .precision import PrecisionError, PrecisionPolicy
+from .volumes import local_kv_heads, vocab_rows_per_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_ALGORITHMS = ("allgather", "ring", "ulysses")
+ZIGZAG_ALGORITHMS = ("ring",)  # context-parallel algorithms that balance the causal mask by zigzag chunks
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -157,9 +159,9 @@ def _check_tensor_parallel(layout: Layout, model: ModelConfig, train: TrainConfi
 
 def _check_vocab_split(vocab: int, tp: int) -> None:
     """The vocabulary is padded to a multiple of tp; every rank must own at least one real token."""
-    width = -(-vocab // tp)
+    width = vocab_rows_per_rank(vocab, tp)
     if vocab <= (tp - 1) * width:
-        largest = max(d for d in range(1, tp) if vocab > (d - 1) * -(-vocab // d))
+        largest = max(d for d in range(1, tp) if vocab > (d - 1) * vocab_rows_per_rank(vocab, d))
         raise LayoutError(
             f"model.vocab_size={vocab} split over tp={tp} leaves rank {tp - 1} only padding "
             f"({width} rows each); use tp <= {largest} or a larger vocabulary"
@@ -190,14 +192,28 @@ def _check_pipeline(layout: Layout, model: ModelConfig, num_micro: int) -> None:
             + (f"use vpp in {ok}" if ok else f"use a pp that divides {model.layers}")
             + " or give layout.pp_layers"
         )
-    if vpp > 1 and layout.pp_schedule != "interleaved":
-        raise LayoutError(f"vpp={vpp} needs layout.pp_schedule='interleaved' (got '{layout.pp_schedule}')")
+    check_chunk_schedule(layout.pp_schedule, vpp)
     if layout.pp_schedule == "interleaved" and pp > 1 and num_micro % pp:
         ok = [m for m in range(pp, 4 * pp + 1, pp)]
         raise LayoutError(
             f"the interleaved schedule needs a number of micro-batches that is a multiple of pp={pp}, got "
             f"{num_micro}; use grad_accum in {ok} (global_batch = dp x micro_batch x grad_accum)"
         )
+
+
+def check_chunk_schedule(schedule: str, vpp: int, schedule_key: str = "layout.pp_schedule") -> None:
+    """More than one model chunk per pipeline rank needs the interleaved schedule (every other
+    table runs one chunk per rank); `schedule_key` names the setting in the message."""
+    if vpp > 1 and schedule != "interleaved":
+        raise LayoutError(
+            f"vpp={vpp} needs {schedule_key}='interleaved' (got '{schedule}'); set {schedule_key}='interleaved' or vpp=1"
+        )
+
+
+def sequence_chunks(algorithm: str, cp: int) -> int:
+    """How many equal chunks context parallelism cuts each sequence into: zigzag ring attention
+    gives rank i chunks i and 2cp - 1 - i of 2cp (equal causal work per rank), the others one of cp."""
+    return 2 * cp if algorithm in ZIGZAG_ALGORITHMS else cp
 
 
 def _check_experts(layout: Layout, model: ModelConfig) -> None:
@@ -217,7 +233,7 @@ def _check_context_parallel(layout: Layout, model: ModelConfig, train: TrainConf
     cp = layout.cp
     if cp == 1:
         return
-    chunks = 2 * cp if layout.cp_algorithm == "ring" else cp
+    chunks = sequence_chunks(layout.cp_algorithm, cp)
     if train.seq_len % chunks:
         ok = [s for s in range(chunks, train.seq_len + 2 * chunks, chunks)][-3:]
         why = "zigzag ring attention cuts each sequence into 2 x cp chunks" if chunks == 2 * cp else "cp splits the sequence"
@@ -236,7 +252,7 @@ def _check_ulysses_heads(layout: Layout, model: ModelConfig) -> None:
     """
     cp = layout.cp
     local_heads = model.heads // layout.tp
-    local_kv = max(model.n_kv_heads // layout.tp, 1)
+    local_kv = local_kv_heads(model.n_kv_heads, layout.tp)
     kv_ok = local_kv % cp == 0 or cp % local_kv == 0
     if local_heads % cp or not kv_ok:
         options = [d for d in divisors(local_heads) if local_kv % d == 0 or d % local_kv == 0]

@@ -64,18 +64,13 @@ def predict_run(config: Config, device: torch.device) -> dict[str, Any]:
     Returns {"error": reason} when the planner cannot cost this layout, so a run never fails
     for want of a prediction.
     """
-    from .planner import LayoutSpec, PlanError, estimate
-    from .planner.bridge import model_spec
+    from .planner import PlanError, estimate
+    from .planner.bridge import layout_spec, model_spec
 
     layout, train = config.layout, config.train
     hardware = hardware_for(device)
     try:
-        spec = LayoutSpec(
-            dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
-            vpp=layout.vpp, micro_batch=layout.micro_batch, global_batch=train.global_batch,
-            schedule=layout.pp_schedule, sequence_parallel=layout.sequence_parallel,
-            recompute=layout.recompute, cp_kind=layout.cp_algorithm,
-        )
+        spec = layout_spec(layout, train.global_batch)  # pp_layers included: the split the run builds
         precision = "bf16" if train.dtype == "bf16" else "fp32"
         e = estimate(model_spec(config.model, train.seq_len), spec, hardware=hardware, precision=precision)
     except (PlanError, ValueError) as err:

@@ -68,8 +68,10 @@ def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, to
     jobs ("terminate called without an active exception"). After an exception the peers
     may never reach the barrier: a collective that failed because a peer went away ends the
     rank with its flight record and one line (no traceback); any other error keeps its
-    traceback.
+    traceback. A process group that was there before (a test harness's, a caller's own) is
+    the caller's to keep: only one this call joined is destroyed.
     """
+    owns_process_group = not dist.is_initialized()
     mesh, device = init_distributed(config)
     if not mesh.is_distributed:
         yield mesh, device
@@ -86,9 +88,10 @@ def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, to
         raise
     comm.barrier(mesh.world)
     watchdog.stop()
-    dist.destroy_process_group()
-    mesh.release()
-    gc.collect()  # the groups (held in reference cycles through the model too) and their threads, now
+    if owns_process_group:
+        dist.destroy_process_group()
+        mesh.release()
+        gc.collect()  # the groups (held in reference cycles through the model too) and their threads, now
 
 
 def new_run_dir(config: Config) -> Path:

@@ -17,6 +17,8 @@ from typing import Iterator
 
 import torch
 
+from .stages import bubble_share
+
 # Event kinds; compute kinds are what counts as busy. The codes travel in a float tensor.
 KINDS = ("F", "B", "I", "W", "comm")
 COMPUTE_KINDS = frozenset({"F", "B", "I", "W"})
@@ -80,18 +82,9 @@ def bubble_fraction(rows: list[list[Event]], span: float | None = None) -> float
 
 
 def bubble_formula(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> float:
-    """Idle share of the step the papers predict, with backward = 2 x forward.
-
-    GPipe and 1F1B: (p - 1) / (m + p - 1); interleaved: (p - 1) / (v m + p - 1) (Narayanan et
-    al. 2021); ZB-H1 with F = B = W: (p - 1) / (3 m + p - 1) (Qi et al. 2023).
-    """
-    p, m = pp, num_microbatches
-    if schedule == "interleaved":
-        return (p - 1) / (vpp * m + p - 1)
-    if schedule == "zb-h1":
-        idle = p - 1 if m >= p else 2 * (p - 1) - (m - 1)  # too few W to fill the tail when m < p
-        return idle / (3 * m + idle)
-    return (p - 1) / (m + p - 1)
+    """Idle share of the step the papers predict, with backward = 2 x forward
+    (`stages.bubble_share`, the planner's bubble as a share of the step)."""
+    return bubble_share(schedule, pp, num_microbatches, vpp)
 
 
 # ------------------------------------------------------------------------------ transport

@@ -72,7 +72,18 @@ def total_wire_bytes(calls: Sequence[Call], n: int) -> dict[str, int]:
     return out
 
 
-# ----------------------------------------------------------------------------- heads per rank
+# ----------------------------------------------------------------------------- shapes per rank
+
+
+def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
+    """Rows of a vocab-parallel embedding or head on each tensor-parallel rank: the vocabulary
+    is padded to a multiple of tp (`padded_vocab`) and split evenly."""
+    return -(-vocab_size // tp)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp; the extra rows are never predicted."""
+    return vocab_rows_per_rank(vocab_size, tp) * tp
 
 
 def local_kv_heads(kv_heads: int, tp: int) -> int:

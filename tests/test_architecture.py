@@ -22,6 +22,8 @@ LAYERS: dict[str, int] = {
     "fivefold.layout": PURE,
     "fivefold.precision": PURE,
     "fivefold.volumes": PURE,
+    "fivefold.flops": PURE,
+    "fivefold.stages": PURE,
     "fivefold.memory": PURE,
     "fivefold.textfiles": PURE,
     "fivefold.data": PURE,

@@ -38,20 +38,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import Config
+from ..layout import ZIGZAG_ALGORITHMS
+from ..layout import sequence_chunks as chunk_count
 from ..mesh import Axis, Mesh
 from ..model.attention import document_causal_mask, positions_in_documents
 from ..step import MicroBatch
 from . import comm
 
-ZIGZAG_ALGORITHMS = ("ring",)
-
 
 # ----------------------------------------------------------------------------- sequence layout (pure)
-
-
-def chunk_count(algorithm: str, cp: int) -> int:
-    """How many equal chunks each sequence is cut into: 2cp for zigzag, cp otherwise."""
-    return 2 * cp if algorithm in ZIGZAG_ALGORITHMS else cp
 
 
 def local_chunks(algorithm: str, cp: int, rank: int) -> list[int]:

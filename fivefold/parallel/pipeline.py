@@ -34,6 +34,9 @@ import torch
 from ..config import Config, ModelConfig
 from ..mesh import Mesh
 from ..model import Transformer
+from ..stages import balanced_counts, head_cost, layer_cost  # noqa: F401  (the split lives in stages.py)
+from ..stages import stage_layer_counts as split_counts
+from ..stages import stage_layer_ids as split_ids
 from . import comm
 from .schedules import Action, ActionKind, build_schedule, group_steps, stage_of
 from ..step import autocast_for, sequence_scale, token_scale
@@ -46,71 +49,15 @@ TIED_AXIS = "pp_ends"  # the first and last pipeline ranks, which both hold the 
 # ------------------------------------------------------------------------------ stage split
 
 
-def layer_cost(model: ModelConfig, index: int, seq_len: int) -> float:
-    """Forward multiply-adds per token of block `index`; only the ratios between stages matter."""
-    h, hd = model.hidden, model.head_dim
-    projections = 2 * h * model.heads * hd + 2 * h * model.n_kv_heads * hd
-    scores = seq_len * model.heads * hd  # QK^T and AV, half of each under the causal mask
-    if model.is_moe_layer(index):
-        mlp = h * model.num_experts + (model.top_k + model.shared_experts) * 3 * h * model.expert_ffn
-    else:
-        mlp = 3 * h * model.ffn
-    return float(projections + scores + mlp)
-
-
-def head_cost(model: ModelConfig) -> float:
-    """The output projection and the loss, per token (the embedding lookup is nearly free)."""
-    return float(model.hidden * model.vocab_size + model.vocab_size)
-
-
-def balanced_counts(costs: list[float], stages: int, last_extra: float = 0.0) -> list[int]:
-    """Layers per stage, consecutive, at least one each, minimising the costliest stage.
-
-    `last_extra` is added to the last stage. Ties are broken by the sum of squared stage
-    costs, so the load is spread as evenly as the bottleneck allows.
-    """
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise ValueError(f"cannot cut {n} layers into {stages} stages of at least one layer")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[s][i]: (max, sum of squares, cut) for the first i layers in s stages
-    inf = (float("inf"), float("inf"), 0)
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = (0.0, 0.0, 0)
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                cost = prefix[i] - prefix[j] + (last_extra if s == stages else 0.0)
-                prev = best[s - 1][j]
-                candidate = (max(prev[0], cost), prev[1] + cost * cost, j)
-                if candidate[:2] < best[s][i][:2]:
-                    best[s][i] = candidate
-    counts, i = [], n
-    for s in range(stages, 0, -1):
-        j = best[s][i][2]
-        counts.append(i - j)
-        i = j
-    return counts[::-1]
-
-
 def stage_layer_counts(config: Config) -> list[int]:
     """Layers of each virtual stage: `layout.pp_layers` if given, else the balanced cut."""
-    layout, model = config.layout, config.model
-    if layout.pp_layers:
-        return list(layout.pp_layers)
-    costs = [layer_cost(model, i, config.train.seq_len) for i in range(model.layers)]
-    return balanced_counts(costs, layout.pp * layout.vpp, head_cost(model))
+    layout = config.layout
+    return split_counts(config.model, config.train.seq_len, layout.pp, layout.vpp, layout.pp_layers)
 
 
 def stage_layer_ids(config: Config) -> list[list[int]]:
     """Global layer indices of every virtual stage, in model order."""
-    ids, start = [], 0
-    for count in stage_layer_counts(config):
-        ids.append(list(range(start, start + count)))
-        start += count
-    return ids
+    return split_ids(stage_layer_counts(config))
 
 
 def build_stage_chunks(config: Config, mesh: Mesh) -> list[Transformer]:

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from ..config import Config, ModelConfig
 from ..mesh import Axis, Mesh
 from ..model import MoE, Transformer
+from ..volumes import padded_vocab
 from . import comm
 from .sharding import Placement, Split, get_placement, set_placement
 
@@ -63,11 +64,6 @@ SEQ_DIM = 1  # activations are (B, T, C): sequence parallel splits T
 Style = str | tuple[str, ...]
 Finalizer = Callable[[], None]
 ParamRef = tuple[nn.Module, str]
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """The vocabulary rounded up to a multiple of tp; the extra rows are never predicted."""
-    return -(-vocab_size // tp) * tp
 
 
 # ----------------------------------------------------------------------------- region collectives

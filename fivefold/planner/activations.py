@@ -49,7 +49,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..precision import PrecisionError, parse_policy
-from ..volumes import local_kv_heads
+from ..volumes import local_kv_heads, vocab_rows_per_rank
 from .errors import UnknownNameError, choices
 from .spec import LayoutSpec, ModelSpec
 
@@ -217,6 +217,6 @@ def saved_tensors_output(model: ModelSpec, layout: LayoutSpec,
     out = [SavedTensor("final_norm.input", x.nrows * h, x.ab)]
     if model.arch == "llama":
         out.append(SavedTensor("final_norm.rstd", x.nrows, 4))
-    vocab_t = -(-model.vocab // x.t)  # vocab padded to a multiple of t
+    vocab_t = vocab_rows_per_rank(model.vocab, x.t)
     return out + [SavedTensor("head.input", x.nrows * h, x.ab),
                   SavedTensor("loss.log_probs", x.rows * vocab_t, 4)]

@@ -166,7 +166,7 @@ class CostCache:
 
     def stage_groups(self, lay: LayoutSpec) -> list[tuple[int, int, int]]:
         """(stage, dense layers, MoE layers) of every pipeline stage of ``lay``."""
-        key = (lay.pp, lay.vpp)
+        key = (lay.pp, lay.vpp, lay.pp_layers)
         if key not in self._groups:
             self._groups[key] = _stage_groups(self.model, lay)
         return self._groups[key]
@@ -398,7 +398,7 @@ def _peak_candidates(groups: list[tuple[int, int, int]]) -> list[int]:
 
 def _states_key(lay: LayoutSpec, zero: int, optimizer: str) -> tuple:
     """What the model states of every stage depend on (not micro-batching, schedule or recomputation)."""
-    return ("states", lay.tp, lay.pp, lay.vpp, lay.ep, lay.dp * lay.cp, zero, optimizer)
+    return ("states", lay.tp, lay.pp, lay.vpp, lay.pp_layers, lay.ep, lay.dp * lay.cp, zero, optimizer)
 
 
 def _states_per_stage(ctx: _Ctx, groups: list[tuple[int, int, int]], zero: int) -> list[int]:
@@ -467,9 +467,8 @@ def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precisi
     lay = layout
     rate = hw.peak(precision) * hw.matmul_efficiency
     p, v, mbs = lay.pp, lay.vpp, lay.num_micro_batches
-    n_layers = (model.layers // (p * v)) * v
-    n_moe = min(model.num_moe_layers, (model.num_moe_layers // (p * v)) * v)
-    per = [(False, n_layers - n_moe)] if n_layers > n_moe else []
+    n_dense, n_moe = cache.memo(("least loaded", lay.pp, lay.vpp, lay.pp_layers), lambda: _least_loaded(cache, lay))
+    per = [(False, n_dense)] if n_dense else []
     if n_moe:
         per.append((True, n_moe))
     passes = 4 if lay.recompute == "full" else 3
@@ -483,6 +482,12 @@ def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precisi
     if lay.schedule == "zb-h1":
         bubble /= 3
     return mbs * t_mb * (1 + bubble / mbs)
+
+
+def _least_loaded(cache: CostCache, lay: LayoutSpec) -> tuple[int, int]:
+    """(dense, MoE) layers that every pipeline stage of ``lay`` holds at least."""
+    groups = cache.stage_groups(lay)
+    return min(nd for _, nd, _ in groups), min(nm for _, _, nm in groups)
 
 
 def _dp_exposed(colls: list[Collective], hw: Hardware, mbs: int, buckets: int,

@@ -6,8 +6,11 @@ the weighted sum over V (2 T s a d each). Backward costs twice the forward (inpu
 weight gradients), so a training step costs 3x the forward.
 
 * Model FLOPs (Chowdhery et al. 2022, "PaLM", Appendix B): 6 N + 12 l (a d) s per token,
-  N the matmul weights a token uses (`params.matmul_params_active`), recomputation not
-  counted. For GPT this is 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per batch of B sequences.
+  recomputation not counted. For fivefold's own layer (``arch="llama"``) this is the
+  runtime's count, `fivefold.flops.model_flops_per_token` (N: every parameter but the input
+  embedding, norms included), so a predicted MFU and a logged one share their numerator.
+  For GPT, N is the matmul weights a token uses (`params.matmul_params_active`), which
+  gives Megatron's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per batch of B sequences.
 * Hardware FLOPs add what recomputation re-runs: full recomputation one more forward of
   every layer, selective recomputation the attention scores and weighted sum (Korthikanti
   et al. 2022, Section 5). For GPT with full recomputation this is Narayanan et al. 2021,
@@ -18,6 +21,8 @@ Both use the full s x s score matrix, as those definitions do, even for causal m
 
 from __future__ import annotations
 
+from ..flops import model_flops_per_token
+from .bridge import model_config
 from .params import head_block, layer_params
 from .spec import ModelSpec
 
@@ -47,6 +52,8 @@ def _layers_forward(m: ModelSpec, tokens: float) -> tuple[float, float]:
 def model_flops_per_step(m: ModelSpec, global_batch: int) -> float:
     """PaLM model FLOPs of one step over ``global_batch`` sequences of ``m.seq_len``."""
     tokens = float(global_batch) * m.seq_len
+    if m.arch == "llama":
+        return tokens * model_flops_per_token(model_config(m), m.seq_len)
     mm, at = _layers_forward(m, tokens)
     head = 2.0 * tokens * head_block(m).matmul
     return 3.0 * (mm + at + head)

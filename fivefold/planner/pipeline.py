@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
+from ..stages import bubble_units as stage_bubble_units
+from ..stages import rank_layer_ids, stage_layer_counts
+from .bridge import model_config
 from .spec import LayoutSpec, ModelSpec
 
 
-def chunk_sizes(layers: int, chunks: int) -> list[int]:
-    """Layers per model chunk in pipeline order (chunk j lives on device j % pp).
-
-    Even when possible; otherwise the extra layers go to the chunks farthest from both
-    ends, because the first and last chunks also carry the embedding and the output layer.
-    """
-    base, extra = divmod(layers, chunks)
-    order = sorted(range(chunks), key=lambda j: (-min(j, chunks - 1 - j), j))
-    sizes = [base] * chunks
-    for j in order[:extra]:
-        sizes[j] += 1
-    return sizes
-
-
 def stage_layers(model: ModelSpec, layout: LayoutSpec) -> list[list[int]]:
-    """Layer indices held by each pipeline device (all of its ``vpp`` chunks)."""
-    p, v = layout.pp, layout.vpp
-    sizes = chunk_sizes(model.layers, p * v)
-    stages: list[list[int]] = [[] for _ in range(p)]
-    start = 0
-    for j, n in enumerate(sizes):
-        stages[j % p].extend(range(start, start + n))
-        start += n
-    return stages
+    """Layer indices held by each pipeline device (all of its ``vpp`` chunks): the runtime's
+    split (`fivefold.stages`), including ``layout.pp_layers``."""
+    counts = stage_layer_counts(model_config(model), model.seq_len, layout.pp, layout.vpp, layout.pp_layers)
+    return rank_layer_ids(counts, layout.pp)
 
 
 def in_flight(layout: LayoutSpec, stage: int) -> float:
@@ -39,10 +23,11 @@ def in_flight(layout: LayoutSpec, stage: int) -> float:
     * GPipe (Huang et al. 2019): all m forwards run before the first backward: m;
     * 1F1B (Narayanan et al. 2021, PipeDream-Flush) and ZB-H1 (Qi et al. 2023, same peak
       memory as 1F1B): stage i warms up with p - i forwards: min(m, p - i);
-    * interleaved (Narayanan et al. 2021): stage i runs 2(p - i - 1) + (v - 1)p + 1 chunk
-      forwards before its first backward (Megatron-LM's warm-up count), each holding 1/v of
-      the stage's layers. On the first stage this is p(1 + (p - 1)/(p v)), the factor
-      reported by Korthikanti et al. 2022 (Section 4.2.3).
+    * interleaved: fivefold's table (`parallel.schedules.interleaved_1f1b`) holds at most
+      v p - i chunk forwards on stage i, each 1/v of the stage's layers: p on the first
+      stage whatever v. Megatron-LM's table warms up longer, 2(p - i - 1) + (v - 1)p + 1
+      chunks (the factor p(1 + (p - 1)/(p v)) of Korthikanti et al. 2022, Section 4.2.3);
+      fivefold plans for the table it runs (tests/test_shared_rules.py replays it).
     """
     p, m, v = layout.pp, layout.num_micro_batches, layout.vpp
     if p == 1:
@@ -50,17 +35,21 @@ def in_flight(layout: LayoutSpec, stage: int) -> float:
     if layout.schedule == "gpipe":
         return float(m)
     if layout.schedule == "interleaved":
-        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-        return chunks / v
+        return min(v * p - stage, m * v) / v
     return float(min(m, p - stage))
 
 
 def in_flight_embedding(layout: LayoutSpec) -> float:
-    """Micro-batches whose embedding activations the first stage holds at peak."""
+    """Micro-batches whose embedding activations the first stage holds at peak: the
+    forwards its first chunk runs before that chunk's first backward (with interleaving,
+    fivefold's table runs two rounds of p before it)."""
     if layout.pp == 1:
         return 1.0
     m = layout.num_micro_batches
-    return float(m) if layout.schedule == "gpipe" else float(min(m, layout.pp))
+    if layout.schedule == "gpipe":
+        return float(m)
+    rounds = 2 if layout.schedule == "interleaved" and layout.vpp > 1 else 1
+    return float(min(m, rounds * layout.pp))
 
 
 def in_flight_output(layout: LayoutSpec) -> float:
@@ -71,31 +60,10 @@ def in_flight_output(layout: LayoutSpec) -> float:
 
 
 def bubble_units(layout: LayoutSpec, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
-    """Idle time per device per step, in units of one micro-batch's F+B+W time.
-
-    With p stages, m micro-batches and v chunks per device:
-
-    * GPipe, 1F1B: p - 1 (Narayanan et al. 2021: bubble fraction (p - 1)/m);
-    * interleaved: (p - 1)/v (Narayanan et al. 2021: (p - 1)/(m v));
-    * ZB-H1: splitting the backward into B (input gradient) and W (weight gradient) lets
-      each stage defer W into the cool-down; Qi et al. 2023 ("Zero Bubble Pipeline
-      Parallelism", Section 2.2) give the bubble as (p - 1)(T_F + T_B - T_W) instead of
-      1F1B's (p - 1)(T_F + T_B + T_W). With the F/B/W times of the layer passed in
-      (derived from FLOPs by the cost model) this is (p - 1)(F + B - W)/(F + B + W); for
-      T_F = T_B = T_W it is one third of 1F1B's bubble. With m < p micro-batches there are
-      too few W to fill the tail: (p - 1)(F + B) - (m - 1) W (the runtime's table,
-      `parallel.schedules.zero_bubble_h1`, idles exactly that long).
-    """
-    p = layout.pp
-    if p == 1:
-        return 0.0
-    if layout.schedule == "interleaved":
-        return (p - 1) / layout.vpp
-    if layout.schedule == "zb-h1":
-        m = layout.num_micro_batches
-        idle = (p - 1) * (t_f + t_b - t_w) if m >= p else (p - 1) * (t_f + t_b) - (m - 1) * t_w
-        return max(idle, 0.0) / (t_f + t_b + t_w)
-    return float(p - 1)
+    """Idle time per device per step, in units of one micro-batch's F+B+W time, with the
+    F/B/W times of the layer (`fivefold.stages.bubble_units`, which the runtime's timeline
+    also uses)."""
+    return stage_bubble_units(layout.schedule, layout.pp, layout.num_micro_batches, layout.vpp, t_f, t_b, t_w)
 
 
 def bubble_fraction(layout: LayoutSpec, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..layout import CP_ALGORITHMS as CP_KINDS
-from ..layout import RECOMPUTE, SCHEDULES
+from ..layout import RECOMPUTE, SCHEDULES, LayoutError, check_chunk_schedule
 from .errors import PlanError, UnknownNameError, choices
 
 ARCHS = ("gpt", "llama")
@@ -165,9 +165,11 @@ class LayoutSpec:
     ``world = pp * dp * cp * tp`` devices. ``ep`` divides ``dp * cp``. The global batch
     (in sequences) is split over ``dp`` into micro-batches of ``micro_batch`` sequences;
     each pipeline therefore runs ``global_batch / (dp * micro_batch)`` micro-batches.
-    Schedules: ``gpipe``, ``1f1b``, ``interleaved`` (with ``vpp >= 2`` model chunks per
-    device) and ``zb-h1`` (zero-bubble H1). ``cp_kind``: ``allgather`` (all-gather K/V),
-    ``ring`` or ``ulysses``.
+    Schedules: ``gpipe``, ``1f1b``, ``interleaved`` (the only one that takes ``vpp > 1``
+    model chunks per device) and ``zb-h1`` (zero-bubble H1). ``cp_kind``: ``allgather``
+    (all-gather K/V), ``ring`` or ``ulysses``. ``pp_layers``: layers of each of the
+    ``pp * vpp`` model chunks, as the runtime's ``layout.pp_layers`` (empty: the runtime's
+    balanced split).
     """
 
     dp: int = 1
@@ -183,6 +185,7 @@ class LayoutSpec:
     sequence_parallel: bool = False
     recompute: str = "none"
     cp_kind: str = "allgather"
+    pp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _positive("LayoutSpec", dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
@@ -201,12 +204,11 @@ class LayoutSpec:
             raise UnknownNameError(f"recompute={self.recompute!r} is unknown; use one of {choices(RECOMPUTE)}")
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
-        if self.vpp > 1 and self.schedule != "interleaved":
-            raise PlanError(f"vpp={self.vpp} needs schedule='interleaved' (got {self.schedule!r}); "
-                            "set schedule='interleaved' or vpp=1")
-        if self.schedule == "interleaved" and self.vpp < 2:
-            raise PlanError("schedule='interleaved' needs vpp >= 2 model chunks per device; "
-                            "set vpp=2 (or more) or use schedule='1f1b'")
+        try:
+            check_chunk_schedule(self.schedule, self.vpp, schedule_key="schedule")
+        except LayoutError as err:
+            raise PlanError(str(err)) from None
+        object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
 
     @property
     def world(self) -> int:

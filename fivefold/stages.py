@@ -1,0 +1,151 @@
+"""Pipeline stages as arithmetic: the layer split and the bubble of each schedule.
+
+Pure functions (no torch), shared by the runtime (`parallel.pipeline` builds the chunks
+this split names, `timeline` compares the measured bubble with `bubble_share`) and the
+planner (`planner.pipeline` predicts memory and time from the same split and bubble), so
+the two can never disagree on which layers a pipeline rank holds or how long it idles.
+
+Stage split
+    The model is cut into pp x vpp virtual stages of consecutive layers. Without an
+    explicit `layout.pp_layers`, the cut minimises the most expensive stage under a cost
+    estimate (multiply-adds per token of each block, plus the head on the last stage).
+    Virtual stage s lives on pipeline rank s % pp as its chunk s // pp
+    (`parallel.schedules.stage_of`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .config import ModelConfig
+
+
+def layer_cost(model: ModelConfig, index: int, seq_len: int) -> float:
+    """Forward multiply-adds per token of block `index`; only the ratios between stages matter."""
+    h, hd = model.hidden, model.head_dim
+    projections = 2 * h * model.heads * hd + 2 * h * model.n_kv_heads * hd
+    scores = seq_len * model.heads * hd  # QK^T and AV, half of each under the causal mask
+    if model.is_moe_layer(index):
+        mlp = h * model.num_experts + (model.top_k + model.shared_experts) * 3 * h * model.expert_ffn
+    else:
+        mlp = 3 * h * model.ffn
+    return float(projections + scores + mlp)
+
+
+def head_cost(model: ModelConfig) -> float:
+    """The output projection and the loss, per token (the embedding lookup is nearly free)."""
+    return float(model.hidden * model.vocab_size + model.vocab_size)
+
+
+def balanced_counts(costs: list[float], stages: int, last_extra: float = 0.0) -> list[int]:
+    """Layers per stage, consecutive, at least one each, minimising the costliest stage.
+
+    `last_extra` is added to the last stage. Ties are broken by the sum of squared stage
+    costs, so the load is spread as evenly as the bottleneck allows; among exact ties the
+    earliest cut wins.
+    """
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {stages} stages of at least one layer")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: (max, sum of squares, cut) for the first i layers in s stages
+    inf = (float("inf"), float("inf"), 0)
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0, 0)
+    for s in range(1, stages + 1):
+        extra = last_extra if s == stages else 0.0
+        for i in range(s, n - (stages - s) + 1):
+            best[s][i] = _best_cut(best[s - 1], prefix, s, i, extra)
+    counts, i = [], n
+    for s in range(stages, 0, -1):
+        j = best[s][i][2]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def _best_cut(prev: list[tuple], prefix: list[float], s: int, i: int, extra: float) -> tuple:
+    """(max, sum of squares, cut j) of the best s-th stage holding layers j..i-1.
+
+    Candidates are visited from the shortest last stage up; once that stage alone costs
+    more than the best bottleneck found, every longer one does too (costs are
+    non-negative), so the scan stops. Equal candidates resolve to the smallest j.
+    """
+    best = (float("inf"), float("inf"), 0)
+    for j in range(i - 1, s - 2, -1):
+        cost = prefix[i] - prefix[j] + extra
+        if cost > best[0]:
+            break
+        p = prev[j]
+        candidate = (max(p[0], cost), p[1] + cost * cost, j)
+        if candidate[:2] <= best[:2]:
+            best = candidate
+    return best
+
+
+def stage_layer_counts(model: ModelConfig, seq_len: int, pp: int, vpp: int = 1,
+                       pp_layers: Sequence[int] = ()) -> list[int]:
+    """Layers of each of the pp x vpp virtual stages: `pp_layers` if given, else the balanced cut."""
+    if pp_layers:
+        return list(pp_layers)
+    costs = [layer_cost(model, i, seq_len) for i in range(model.layers)]
+    return balanced_counts(costs, pp * vpp, head_cost(model))
+
+
+def stage_layer_ids(counts: Sequence[int]) -> list[list[int]]:
+    """Global layer indices of every virtual stage, in model order, from its layer counts."""
+    ids, start = [], 0
+    for count in counts:
+        ids.append(list(range(start, start + count)))
+        start += count
+    return ids
+
+
+def rank_layer_ids(counts: Sequence[int], pp: int) -> list[list[int]]:
+    """Layer indices each pipeline rank holds (all of its chunks): stage s lives on rank s % pp."""
+    ranks: list[list[int]] = [[] for _ in range(pp)]
+    for stage, ids in enumerate(stage_layer_ids(counts)):
+        ranks[stage % pp].extend(ids)
+    return ranks
+
+
+# ---------------------------------------------------------------------------------- bubble
+
+
+def bubble_units(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
+                 t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+    """Idle time per device per step, in units of one micro-batch's F+B+W time.
+
+    With p stages, m micro-batches and v chunks per device:
+
+    * GPipe, 1F1B: p - 1 (Narayanan et al. 2021: bubble fraction (p - 1)/m);
+    * interleaved: (p - 1)/v (Narayanan et al. 2021: (p - 1)/(m v));
+    * ZB-H1: splitting the backward into B (input gradient) and W (weight gradient) lets
+      each stage defer W into the cool-down; Qi et al. 2023 ("Zero Bubble Pipeline
+      Parallelism", Section 2.2) give the bubble as (p - 1)(T_F + T_B - T_W) instead of
+      1F1B's (p - 1)(T_F + T_B + T_W), i.e. (p - 1)(F + B - W)/(F + B + W) in these units;
+      for T_F = T_B = T_W it is one third of 1F1B's bubble. With m < p micro-batches there
+      are too few W to fill the tail: (p - 1)(F + B) - (m - 1) W (the runtime's table,
+      `parallel.schedules.zero_bubble_h1`, idles exactly that long).
+    """
+    p, m = pp, num_microbatches
+    if p == 1:
+        return 0.0
+    if schedule == "interleaved":
+        return (p - 1) / vpp
+    if schedule == "zb-h1":
+        idle = (p - 1) * (t_f + t_b - t_w) if m >= p else (p - 1) * (t_f + t_b) - (m - 1) * t_w
+        return max(idle, 0.0) / (t_f + t_b + t_w)
+    return float(p - 1)
+
+
+def bubble_share(schedule: str, pp: int, num_microbatches: int, vpp: int = 1) -> float:
+    """Idle share of the whole step, idle / (busy + idle), with F = B = W (backward = 2 x forward).
+
+    GPipe and 1F1B: (p - 1) / (m + p - 1); interleaved: (p - 1) / (v m + p - 1); ZB-H1:
+    (p - 1) / (3 m + p - 1), or (2(p - 1) - (m - 1)) / (3 m + 2(p - 1) - (m - 1)) when m < p.
+    """
+    units = bubble_units(schedule, pp, num_microbatches, vpp)
+    return units / (num_microbatches + units)
