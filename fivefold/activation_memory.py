@@ -33,47 +33,33 @@ model repeats k and v to every query head before attention.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from .config import Layout, ModelConfig
-from .planner.activations import SavedTensor  # one record type for derived and measured lists
+from .planner.activations import SavedTensor
+from .planner.activations import saved_tensors_per_layer as planner_saved_tensors  # the one list
+from .planner.bridge import layout_spec, model_spec
 
 
-def saved_tensors_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int) -> list[SavedTensor]:
-    """Every tensor one dense layer saves for backward on one tp rank (fp32 activations).
+def saved_tensors_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int,
+                            precision: str = "fp32", moe: bool = False) -> list[SavedTensor]:
+    """Every tensor one layer saves for backward on one rank: the planner's list
+    (`fivefold.planner.activations`) for this runtime model and layout.
 
     See the module docstring for the derivation; `measure_saved_bytes` checks it.
     """
-    t, h, a, f = layout.tp, model.hidden, model.heads, model.ffn
-    tokens = micro_batch * seq_len // layout.cp  # in tensor-parallel regions
-    norm_tokens = tokens // t if layout.sequence_parallel else tokens
-    local_heads, fp32 = a // t, 4
-    out = []
-    for norm in ("attn_norm", "mlp_norm"):
-        out += [
-            SavedTensor(f"{norm}.input", norm_tokens * h, fp32),
-            SavedTensor(f"{norm}.rstd", norm_tokens, fp32),
-            SavedTensor(f"{norm}.normalised", norm_tokens * h, fp32),
-        ]
-    out += [
-        SavedTensor("attn.input", tokens * h, fp32),  # all-gathered under sequence parallel
-        SavedTensor("sdpa.q", tokens * local_heads * model.head_dim, fp32),
-        SavedTensor("sdpa.k_repeated", tokens * local_heads * model.head_dim, fp32),
-        SavedTensor("sdpa.v_repeated", tokens * local_heads * model.head_dim, fp32),
-        SavedTensor("sdpa.out_and_wo.input", tokens * local_heads * model.head_dim, fp32),
-        SavedTensor("sdpa.logsumexp", tokens * local_heads, fp32),
-        SavedTensor("mlp.input", tokens * h, fp32),
-    ]
-    out += [SavedTensor(f"mlp.{n}", tokens * f // t, fp32) for n in ("gate_out", "up_out", "silu_out", "down_input")]
-    return out
+    spec = dataclasses.replace(layout_spec(layout, micro_batch * layout.dp), micro_batch=micro_batch)
+    return planner_saved_tensors(model_spec(model, seq_len), spec, precision, moe)
 
 
-def activation_bytes_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int) -> int:
+def activation_bytes_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int,
+                               precision: str = "fp32", moe: bool = False) -> int:
     """Sum of `saved_tensors_per_layer`: the closed forms of the module docstring."""
-    return sum(s.bytes for s in saved_tensors_per_layer(model, layout, micro_batch, seq_len))
+    return sum(s.bytes for s in saved_tensors_per_layer(model, layout, micro_batch, seq_len, precision, moe))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -157,21 +157,50 @@ def _gpt_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
     return out + [SavedTensor("mlp.dropout_mask", x.nrows * h, 1)]
 
 
+def attention_saved_kv_heads(m: ModelSpec, lay: LayoutSpec) -> int:
+    """Key/value heads per rank that fivefold's attention saves for backward: the one place
+    that says how grouped-query attention keeps K/V.
+
+    The attention cores (model/attention.py; all-gather and Ulysses context parallelism)
+    repeat each K/V head to the local query heads before SDPA, so SDPA saves K and V at
+    query-head size; ring attention groups the query heads itself and saves K/V at their own
+    size. An attention that saves grouped K/V (SDPA with ``enable_gqa``) changes this function.
+    """
+    if lay.cp > 1 and lay.cp_kind == "ring":
+        return local_kv_heads(m.n_kv_heads, lay.tp)
+    return m.heads // lay.tp
+
+
+def _rmsnorm(prefix: str, rows: int, h: int, residual_b: int, out_b: int) -> list[SavedTensor]:
+    """RMSNorm (model/llama.py): x.float() (the input itself in fp32, a copy otherwise),
+    rsqrt's output, x * rstd for the weight gradient (in the residual dtype)."""
+    return [SavedTensor(f"{prefix}.input_fp32", rows * h, 4),
+            SavedTensor(f"{prefix}.rstd", rows, 4),
+            SavedTensor(f"{prefix}.normalised", rows * h, out_b)]
+
+
 def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
     h, ab, t = m.hidden, x.ab, x.t
-    qd, kvd = m.heads * m.head_dim // t, local_kv_heads(m.n_kv_heads, t) * m.head_dim
-    out = [
-        SavedTensor("attn_norm.input", x.nrows * h, ab),
-        SavedTensor("attn_norm.rstd", x.nrows, 4),
-        SavedTensor("qkv.input", x.nrows * h, ab),
-        SavedTensor("sdpa.q", x.rows * qd, ab),
-        SavedTensor("sdpa.k", x.kv_rows * kvd, ab),
-        SavedTensor("sdpa.v", x.kv_rows * kvd, ab),
-    ]
-    if lay.recompute == "none":
-        out += [SavedTensor("sdpa.out", x.rows * qd, ab),
-                SavedTensor("sdpa.logsumexp", x.rows * (m.heads // t), 4)]
-    return out + [SavedTensor("o_proj.input", x.rows * qd, ab)]
+    d, qh = m.head_dim, m.heads // t
+    gathered = x.rows  # q, k, v's input: whole under tp, all-gathered under sequence parallel
+    out = _rmsnorm("attn_norm", x.nrows, h, x.ab, x.ab) + [SavedTensor("qkv.input", gathered * h, ab)]
+    if lay.recompute == "selective":  # the checkpointed core keeps its inputs, grouped K/V
+        kvh = local_kv_heads(m.n_kv_heads, t)
+        return out + [SavedTensor("core.q", x.rows * qh * d, ab),
+                      SavedTensor("core.k", x.rows * kvh * d, ab),
+                      SavedTensor("core.v", x.rows * kvh * d, ab),
+                      SavedTensor("o_proj.input", x.rows * qh * d, ab)]
+    kvh = attention_saved_kv_heads(m, lay)
+    out += [SavedTensor("sdpa.q", x.rows * qh * d, ab),
+            SavedTensor("sdpa.k", x.kv_rows * kvh * d, ab),
+            SavedTensor("sdpa.v", x.kv_rows * kvh * d, ab),
+            SavedTensor("sdpa.out_and_o_proj.input", x.rows * qh * d, ab),  # one storage
+            SavedTensor("sdpa.logsumexp", x.rows * qh, 4)]
+    if lay.cp > 1 and lay.cp_kind == "allgather":  # the causal mask of local queries x all keys
+        out.append(SavedTensor("sdpa.mask", x.rows * x.s, 1))
+    if lay.cp > 1 and lay.cp_kind == "ring":  # ring's output is copied into the projection's layout
+        out.append(SavedTensor("o_proj.input", x.rows * qh * d, ab))
+    return out
 
 
 def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
@@ -183,19 +212,24 @@ def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
 
 def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
     h, ab = m.hidden, x.ab
-    out = [SavedTensor("mlp_norm.input", x.nrows * h, ab),
-           SavedTensor("mlp_norm.rstd", x.nrows, 4),
-           SavedTensor("mlp.input", x.nrows * h, ab)]
+    out = _rmsnorm("mlp_norm", x.nrows, h, x.ab, x.ab) + [SavedTensor("mlp.input", x.rows * h, ab)]
     if not moe:
         return out + _swiglu("mlp", x.rows, m.ffn // x.t, ab)
-    k, f = m.top_k, m.expert_ffn // x.t
-    out += [SavedTensor("router.probs", x.rows * m.num_experts, 4),
-            SavedTensor("experts.input", k * x.rows * h, ab)]
-    out += _swiglu("experts", k * x.rows, f, ab)
-    out += [SavedTensor("combine.expert_out", k * x.rows * h, ab),
-            SavedTensor("combine.weights", k * x.rows, ab)]
-    for j in range(m.shared_experts):
-        out += _swiglu(f"shared{j}", x.rows, f, ab)
+    k, f, e = m.top_k, m.expert_ffn // x.t, m.num_experts
+    slots = k * x.rows
+    out += [SavedTensor("router.logits", x.rows * e, 4),
+            SavedTensor("router.probs", x.rows * e, 4),
+            SavedTensor("router.logsumexp", x.rows, 4),
+            SavedTensor("router.topk_ids", slots, 8),
+            SavedTensor("router.weights_and_sum", slots + x.rows, 4),
+            SavedTensor("dispatch.order", 2 * slots, 8),
+            SavedTensor("experts.input", slots * h, ab)]
+    out += _swiglu("experts", slots, f, ab)
+    out += [SavedTensor("combine.expert_out", slots * h, ab),
+            SavedTensor("combine.weights", slots, ab),
+            SavedTensor("combine.keep", slots, 1)]
+    if m.shared_experts:
+        out += _swiglu("shared", x.rows, f * m.shared_experts, ab)
     return out
 
 
