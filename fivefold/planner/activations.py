@@ -103,7 +103,7 @@ def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str
         return [SavedTensor("layer.input", x.nrows * model.hidden, x.ab)]
     if model.arch == "gpt":
         return _gpt_attention(model, layout, x) + _gpt_mlp(model, x, moe)
-    return _llama_attention(model, layout, x) + _llama_mlp(model, x, moe)
+    return _llama_attention(model, layout, x) + _llama_mlp(model, x, moe, layout.ep)
 
 
 def activation_bytes_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
@@ -210,7 +210,7 @@ def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
             SavedTensor(f"{prefix}.down_input", rows * width, ab)]
 
 
-def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
+def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool, ep: int) -> list[SavedTensor]:
     h, ab = m.hidden, x.ab
     out = _rmsnorm("mlp_norm", x.nrows, h, x.ab, x.ab) + [SavedTensor("mlp.input", x.rows * h, ab)]
     if not moe:
@@ -224,10 +224,13 @@ def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
             SavedTensor("router.weights_and_sum", slots + x.rows, 4),
             SavedTensor("dispatch.order", 2 * slots, 8),
             SavedTensor("experts.input", slots * h, ab)]
+    out += [SavedTensor("experts.group_offsets", e // ep, 4)]  # the grouped-matmul kernel's offsets
     out += _swiglu("experts", slots, f, ab)
-    out += [SavedTensor("combine.expert_out", slots * h, ab),
+    out += [SavedTensor("dispatch.expert_rows", slots * h, ab),  # the experts' output, kept by index_copy
+            SavedTensor("combine.expert_out", slots * h, ab),
             SavedTensor("combine.weights", slots, ab),
-            SavedTensor("combine.keep", slots, 1)]
+            SavedTensor("combine.keep", slots, 1),
+            SavedTensor("aux_loss.per_sequence", x.b * (4 * e + 3), 4)]  # statistics, f and p per sequence
     if m.shared_experts:
         out += _swiglu("shared", x.rows, f * m.shared_experts, ab)
     return out
