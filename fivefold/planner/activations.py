@@ -198,8 +198,6 @@ def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTenso
             SavedTensor("sdpa.logsumexp", x.rows * qh, 4)]
     if lay.cp > 1 and lay.cp_kind == "allgather":  # the causal mask of local queries x all keys
         out.append(SavedTensor("sdpa.mask", x.rows * x.s, 1))
-    if lay.cp > 1 and lay.cp_kind == "ring":  # ring's output is copied into the projection's layout
-        out.append(SavedTensor("o_proj.input", x.rows * qh * d, ab))
     return out
 
 
@@ -251,9 +249,10 @@ def saved_tensors_output(model: ModelSpec, layout: LayoutSpec,
     the (vocab-parallel) cross-entropy keeps, b s V / (c t) elements."""
     x = _dims(model, layout, precision)
     h = model.hidden
-    out = [SavedTensor("final_norm.input", x.nrows * h, x.ab)]
     if model.arch == "llama":
-        out.append(SavedTensor("final_norm.rstd", x.nrows, 4))
+        out = _rmsnorm("final_norm", x.nrows, h, x.ab, x.ab)
+    else:
+        out = [SavedTensor("final_norm.input", x.nrows * h, x.ab)]
     vocab_t = -(-model.vocab // x.t)  # vocab padded to a multiple of t
     return out + [SavedTensor("head.input", x.nrows * h, x.ab),
                   SavedTensor("loss.log_probs", x.rows * vocab_t, 4)]
