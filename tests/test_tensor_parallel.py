@@ -173,6 +173,33 @@ def _saved_bytes(config, mesh: Mesh) -> list[int]:
     return list(measured.per_layer.values())
 
 
+@pytest.mark.parametrize(
+    "preset, recompute, overrides",
+    [("tiny", "selective", []), ("tiny", "full", []), ("tiny-moe", "none", ["--model.first_dense_layers=1"])],
+)
+def test_saved_bytes_equal_the_one_list_under_recompute_and_moe(preset, recompute, overrides):
+    """One process: every layer saves exactly the planner's list (fivefold.planner.activations)
+    with selective recomputation (the checkpointed core keeps grouped K/V), full recomputation
+    (the layer input) and MoE layers (router, dispatch, grouped experts, combine) beside a dense one."""
+    import dataclasses
+
+    from fivefold.parallel.sharding import materialize
+    from fivefold.parallelize import apply_recompute
+
+    config = load_config(preset, overrides)
+    layout = dataclasses.replace(config.layout, recompute=recompute)
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    materialize(model, config.model, config.train.seed)
+    apply_recompute(model, recompute)
+    ids = torch.randint(0, config.model.vocab_size, (2, config.train.seq_len), generator=torch.Generator().manual_seed(0))
+    measured = measure_saved_bytes(model, lambda: model(ids), dict(model.layers.items()))
+    derived = [activation_bytes_per_layer(config.model, layout, 2, config.train.seq_len, moe=config.model.is_moe_layer(i))
+               for i in range(config.model.layers)]
+    assert list(measured.per_layer.values()) == derived
+    assert len(set(derived)) == (2 if config.model.num_experts else 1)
+
+
 def _measure_layouts(ctx, layouts: list[Layout]):
     config = load_config("tiny")
     return [_saved_bytes(config.replace(layout=layout), ctx.mesh(layout)) for layout in layouts]
