@@ -174,13 +174,17 @@ def _saved_bytes(config, mesh: Mesh) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "preset, recompute, overrides",
-    [("tiny", "selective", []), ("tiny", "full", []), ("tiny-moe", "none", ["--model.first_dense_layers=1"])],
+    "preset, recompute, overrides, precision",
+    [("tiny", "selective", [], "fp32"), ("tiny", "full", [], "fp32"),
+     ("tiny-moe", "none", ["--model.first_dense_layers=1"], "fp32"),
+     ("tiny", "none", [], "bf16,params=fp32"), ("tiny", "none", [], "bf16")],
 )
-def test_saved_bytes_equal_the_one_list_under_recompute_and_moe(preset, recompute, overrides):
+def test_saved_bytes_equal_the_one_list_under_recompute_and_moe(preset, recompute, overrides, precision):
     """One process: every layer saves exactly the planner's list (fivefold.planner.activations)
     with selective recomputation (the checkpointed core keeps grouped K/V), full recomputation
-    (the layer input) and MoE layers (router, dispatch, grouped experts, combine) beside a dense one."""
+    (the layer input), MoE layers (router, dispatch, grouped experts, combine) beside a dense
+    one, and bf16 autocast over fp32 weights (each linear's own casts of input and weight,
+    fp32 residual stream) or over bf16 weights."""
     import dataclasses
 
     from fivefold.parallel.sharding import materialize
@@ -192,9 +196,17 @@ def test_saved_bytes_equal_the_one_list_under_recompute_and_moe(preset, recomput
         model = Transformer(config.model)
     materialize(model, config.model, config.train.seed)
     apply_recompute(model, recompute)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
     ids = torch.randint(0, config.model.vocab_size, (2, config.train.seq_len), generator=torch.Generator().manual_seed(0))
-    measured = measure_saved_bytes(model, lambda: model(ids), dict(model.layers.items()))
-    derived = [activation_bytes_per_layer(config.model, layout, 2, config.train.seq_len, moe=config.model.is_moe_layer(i))
+
+    def forward() -> None:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision != "fp32"):
+            model(ids)
+
+    measured = measure_saved_bytes(model, forward, dict(model.layers.items()))
+    derived = [activation_bytes_per_layer(config.model, layout, 2, config.train.seq_len, precision,
+                                          moe=config.model.is_moe_layer(i))
                for i in range(config.model.layers)]
     assert list(measured.per_layer.values()) == derived
     assert len(set(derived)) == (2 if config.model.num_experts else 1)

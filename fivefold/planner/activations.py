@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..precision import PrecisionError, parse_policy
+from ..precision import DTYPE_BYTES, PrecisionError, parse_policy
 from ..volumes import local_kv_heads
 from .errors import UnknownNameError, choices
 from .spec import LayoutSpec, ModelSpec
@@ -80,7 +80,14 @@ class _Dims(NamedTuple):
     nrows: int    # tokens in norm regions: rows / t with sequence parallel
     kv_rows: int  # tokens of saved K/V: b * s for all-gather CP
     t: int
-    ab: int       # bytes per activation element
+    ab: int       # bytes per activation element (the compute dtype)
+    rb: int       # bytes of the residual stream: the wider of the parameter and compute dtypes
+    casts: bool   # autocast over wider weights: each linear saves its own cast of input and weight
+
+
+def _residual_bytes(precision: str) -> int:
+    policy = parse_policy(precision)
+    return max(policy.compute_bytes, DTYPE_BYTES[policy.params])
 
 
 def _dims(m: ModelSpec, lay: LayoutSpec, precision: str) -> _Dims:
@@ -88,7 +95,8 @@ def _dims(m: ModelSpec, lay: LayoutSpec, precision: str) -> _Dims:
     rows = b * s // c
     nrows = rows // t if lay.sequence_parallel else rows
     kv_rows = b * s if (c > 1 and lay.cp_kind == "allgather") else rows
-    return _Dims(b, s, rows, nrows, kv_rows, t, activation_dtype_bytes(precision))
+    ab, rb = activation_dtype_bytes(precision), _residual_bytes(precision)
+    return _Dims(b, s, rows, nrows, kv_rows, t, ab, rb, rb != ab)
 
 
 def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
@@ -100,7 +108,7 @@ def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str
     moe = model.is_moe if moe is None else (moe and model.num_experts > 0)
     x = _dims(model, layout, precision)
     if layout.recompute == "full":
-        return [SavedTensor("layer.input", x.nrows * model.hidden, x.ab)]
+        return [SavedTensor("layer.input", x.nrows * model.hidden, x.rb)]
     if model.arch == "gpt":
         return _gpt_attention(model, layout, x) + _gpt_mlp(model, x, moe)
     return _llama_attention(model, layout, x) + _llama_mlp(model, x, moe, layout.ep)
@@ -171,19 +179,38 @@ def attention_saved_kv_heads(m: ModelSpec, lay: LayoutSpec) -> int:
     return m.heads // lay.tp
 
 
-def _rmsnorm(prefix: str, rows: int, h: int, residual_b: int, out_b: int) -> list[SavedTensor]:
+def _rmsnorm(prefix: str, rows: int, h: int, x: _Dims) -> list[SavedTensor]:
     """RMSNorm (model/llama.py): x.float() (the input itself in fp32, a copy otherwise),
     rsqrt's output, x * rstd for the weight gradient (in the residual dtype)."""
     return [SavedTensor(f"{prefix}.input_fp32", rows * h, 4),
             SavedTensor(f"{prefix}.rstd", rows, 4),
-            SavedTensor(f"{prefix}.normalised", rows * h, out_b)]
+            SavedTensor(f"{prefix}.normalised", rows * h, x.rb)]
+
+
+def _linear_inputs(name: str, rows: int, width: int, consumers: int, x: _Dims) -> list[SavedTensor]:
+    """One input read by ``consumers`` linear layers: saved once, or, under autocast over
+    wider weights, one compute-dtype cast per layer (autocast caches only weights' casts)."""
+    return [SavedTensor(name, (consumers if x.casts else 1) * rows * width, x.ab)]
+
+
+def _weight_casts(elements: int, x: _Dims) -> list[SavedTensor]:
+    """Autocast over wider weights saves each weight's compute-dtype cast for its backward."""
+    return [SavedTensor("autocast.weight_casts", elements, x.ab)] if x.casts else []
+
+
+def _rope_casts(m: ModelSpec, x: _Dims) -> list[SavedTensor]:
+    """apply_rope casts the fp32 cos/sin tables (local positions x d) to the compute dtype for
+    q and k; in fp32 the shared tables themselves are saved (not counted per layer)."""
+    return [SavedTensor("rope.table_casts", 4 * (x.rows // x.b) * m.head_dim, x.ab)] if x.ab != 4 else []
 
 
 def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
     h, ab, t = m.hidden, x.ab, x.t
     d, qh = m.head_dim, m.heads // t
     gathered = x.rows  # q, k, v's input: whole under tp, all-gathered under sequence parallel
-    out = _rmsnorm("attn_norm", x.nrows, h, x.ab, x.ab) + [SavedTensor("qkv.input", gathered * h, ab)]
+    out = _rmsnorm("attn_norm", x.nrows, h, x) + _linear_inputs("qkv.input", gathered, h, 3, x)
+    kv_local = local_kv_heads(m.n_kv_heads, t) * d
+    out += _weight_casts(2 * h * qh * d + 2 * h * kv_local, x) + _rope_casts(m, x)
     if lay.recompute == "selective":  # the checkpointed core keeps its inputs, grouped K/V
         kvh = local_kv_heads(m.n_kv_heads, t)
         return out + [SavedTensor("core.q", x.rows * qh * d, ab),
@@ -210,9 +237,11 @@ def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
 
 def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool, ep: int) -> list[SavedTensor]:
     h, ab = m.hidden, x.ab
-    out = _rmsnorm("mlp_norm", x.nrows, h, x.ab, x.ab) + [SavedTensor("mlp.input", x.rows * h, ab)]
+    out = _rmsnorm("mlp_norm", x.nrows, h, x)
     if not moe:
-        return out + _swiglu("mlp", x.rows, m.ffn // x.t, ab)
+        return (out + _linear_inputs("mlp.input", x.rows, h, 2, x) + _weight_casts(3 * h * (m.ffn // x.t), x)
+                + _swiglu("mlp", x.rows, m.ffn // x.t, ab))
+    out += [SavedTensor("mlp.input", x.rows * h, ab)]
     k, f, e = m.top_k, m.expert_ffn // x.t, m.num_experts
     slots = k * x.rows
     out += [SavedTensor("router.logits", x.rows * e, 4),
@@ -250,7 +279,7 @@ def saved_tensors_output(model: ModelSpec, layout: LayoutSpec,
     x = _dims(model, layout, precision)
     h = model.hidden
     if model.arch == "llama":
-        out = _rmsnorm("final_norm", x.nrows, h, x.ab, x.ab)
+        out = _rmsnorm("final_norm", x.nrows, h, x)
     else:
         out = [SavedTensor("final_norm.input", x.nrows * h, x.ab)]
     vocab_t = -(-model.vocab // x.t)  # vocab padded to a multiple of t
