@@ -5,8 +5,9 @@ every tensor autograd saves to the layer whose forward saved it. A storage is co
 (q, k and v save the same input); parameters are not activations; a storage saved by
 several layers (the rotary tables) is reported apart as shared.
 
-Derived: `saved_tensors_per_layer` lists, tensor by tensor, what fivefold's layer saves --
-the method of Korthikanti et al. 2022 (section 4.1), which finds sbh(34 + 5as/h) bytes for
+Derived: `saved_tensors_per_layer` is the planner's list (fivefold.planner.activations, the
+one description of what a layer saves, for every precision, MoE, SP, CP and recomputation)
+for a runtime model and layout. It follows the method of Korthikanti et al. 2022 (section 4.1), which finds sbh(34 + 5as/h) bytes for
 a GPT layer, sbh(10 + 24/t + 5as/(ht)) under tensor parallelism and everything divided by
 t under sequence parallelism. For fivefold's layer (RMSNorm, grouped-query attention with
 RoPE and PyTorch's fused SDPA, SwiGLU, no dropout), fp32 activations, b sequences of s
@@ -28,7 +29,8 @@ are all-gathered before q, k, v and gate, up and kept whole for their weight gra
 (2 b s h, not divided by t); Megatron instead keeps the shard and all-gathers again in
 backward (more communication, less memory) -- the one term where fivefold's formula keeps
 a full-size tensor. The key/value terms do not shrink with fewer kv heads because the
-model repeats k and v to every query head before attention.
+model repeats k and v to every query head before attention
+(`fivefold.planner.activations.attention_saved_kv_heads`).
 """
 
 from __future__ import annotations

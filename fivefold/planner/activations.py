@@ -18,30 +18,40 @@ split: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism everything is split:
 sbh(34/t + 5as/(ht)); selective recomputation drops the 5as^2b attention-core terms
 (34sbh/t with SP); full recomputation keeps only the layer input, 2sbh (2sbh/t with SP).
 
-Llama layer (fivefold: RMSNorm, GQA + RoPE, SDPA, SwiGLU, no dropout). Following the same
-convention (a norm saves its input and its 1/rms statistics; a linear layer saves its
-input; RoPE multiplies by constant tables and saves nothing per token)::
+Llama layer: exactly what fivefold's runtime layer saves (model/llama.py, attention.py,
+moe.py), so that one list serves the planner and the runtime (fivefold.activation_memory
+sums it; tests measure it with saved-tensor hooks). Per token, fp32::
 
-    attn_norm.input sbh, attn_norm.rstd sb (fp32), qkv.input sbh,
-    sdpa.q sbh, sdpa.k sb(kv d), sdpa.v sb(kv d), sdpa.out sbh, sdpa.logsumexp sba (fp32),
-    o_proj.input sbh, mlp_norm.input sbh, mlp_norm.rstd sb (fp32), mlp.input sbh,
-    mlp.gate_out sbf, mlp.silu_out sbf, mlp.up_out sbf, down.input sbf
+    attn_norm: input, rstd (1), x * rstd (h each)     -- RMSNorm's weight gradient needs x * rstd
+    qkv.input h                                       -- one storage for wq, wk, wv
+    sdpa.q, sdpa.k, sdpa.v, sdpa.out (= o_proj.input) -- K/V at `attention_saved_kv_heads`
+    sdpa.logsumexp a/t (fp32)
+    mlp_norm: input, rstd, x * rstd; mlp.input h; gate_out, silu_out, up_out, down_input f/t
 
 SDPA (flash and math kernels alike, e.g. fp32 on CPU) saves q, k, v, its output and the
-log-sum-exp per query and head; the output projection saves its own contiguous copy of the
-attention output. K/V are counted at their GQA size (no repeat to all heads); with t > kv each rank holds one
-key/value head (the runtime repeats each head on t/kv ranks).
-MoE layers replace the MLP by: router.probs sbE (fp32 softmax), and per routed copy of a
-token (k per token, balanced routing assumed) experts.input, four SwiGLU tensors of width
-f_e, combine.expert_out and combine.weights, plus four SwiGLU tensors per shared expert.
+log-sum-exp per query and head; the output projection's input is the same storage. The
+attention repeats K/V to every local query head before SDPA, so they are saved at query-head
+size (`attention_saved_kv_heads` is the one place that says so; ring attention keeps them
+grouped). bf16 follows autocast: RMSNorm keeps an fp32 copy of its input; under autocast over
+fp32 weights the residual stream and x * rstd stay fp32 and every linear layer saves its own
+bf16 cast of its input and of its weight; the rotary tables are cast per layer for q and k.
+MoE layers replace the MLP by the router (logits, kept by the z-loss's logsumexp, probs,
+top-k ids, weights), the dispatch orders, per routed copy of a token (k per token, balanced
+routing) experts.input, four SwiGLU tensors of width f_e, the experts' rows kept by
+index_copy, combine.expert_out and weights, four SwiGLU tensors of the shared experts, and
+per-sequence auxiliary-loss statistics. Not modelled (below 0.2% in the dry-run cases): a
+sigmoid router's two per-token sums, expert parallelism's extra int64 regrouping orders, the
+shared fp32 rotary tables, the loss's per-token targets and statistics.
 
 Parallel splits: tensor-parallel regions (attention core, MLP) hold a/t heads and f/t
-columns; norm regions are whole unless sequence parallel, where they hold s/t tokens and
-the QKV/MLP inputs are kept sharded and all-gathered again in backward (Korthikanti 4.2.2).
-Context parallelism splits s by c; the all-gather variant saves the gathered K/V (full s),
-ring and Ulysses save local-size tensors. Expert inputs are not sequence-parallel.
-Selective recomputation re-runs the attention core (drops sdpa.out, sdpa.logsumexp or the
-GPT softmax terms); full recomputation keeps the layer input only.
+columns; norm regions are whole unless sequence parallel, where they hold s/t tokens; the
+runtime all-gathers the QKV/MLP inputs and keeps them whole for the weight gradients
+(Megatron instead keeps the shard and gathers again in backward, Korthikanti 4.2.2).
+Context parallelism splits s by c; the all-gather variant saves the gathered K/V (full s)
+and its causal mask, ring and Ulysses save local-size tensors. Expert inputs are not
+sequence-parallel. Selective recomputation checkpoints the attention core, which keeps its
+grouped q, k, v inputs (drops the repeated K/V, sdpa.logsumexp or the GPT softmax terms);
+full recomputation keeps the layer input only.
 """
 
 from __future__ import annotations
