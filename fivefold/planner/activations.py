@@ -40,8 +40,8 @@ top-k ids, weights), the dispatch orders, per routed copy of a token (k per toke
 routing) experts.input, four SwiGLU tensors of width f_e, the experts' rows kept by
 index_copy, combine.expert_out and weights, four SwiGLU tensors of the shared experts, and
 per-sequence auxiliary-loss statistics. Not modelled (below 0.2% in the dry-run cases): a
-sigmoid router's two per-token sums, expert parallelism's extra int64 regrouping orders, the
-shared fp32 rotary tables, the loss's per-token targets and statistics.
+sigmoid router's two per-token sums, the shared fp32 rotary tables, the loss's per-token
+targets and statistics.
 
 Parallel splits: tensor-parallel regions (attention core, MLP) hold a/t heads and f/t
 columns; norm regions are whole unless sequence parallel, where they hold s/t tokens; the
@@ -59,7 +59,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..precision import DTYPE_BYTES, PrecisionError, parse_policy
-from ..volumes import local_kv_heads
+from ..volumes import local_kv_heads, ulysses_kv_heads
 from .errors import UnknownNameError, choices
 from .spec import LayoutSpec, ModelSpec
 
@@ -235,6 +235,12 @@ def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTenso
             SavedTensor("sdpa.logsumexp", x.rows * qh, 4)]
     if lay.cp > 1 and lay.cp_kind == "allgather":  # the causal mask of local queries x all keys
         out.append(SavedTensor("sdpa.mask", x.rows * x.s, 1))
+    if lay.cp > 1 and lay.cp_kind == "ulysses":
+        # q is a view of the all-to-all's q|k|v buffer, which it keeps whole; the output comes
+        # back through an all-to-all, so the output projection's input is a storage of its own
+        kv_sent = ulysses_kv_heads(lay.cp, local_kv_heads(m.n_kv_heads, t))
+        out += [SavedTensor("ulysses.kv_in_q_buffer", 2 * x.rows * kv_sent * d, ab),
+                SavedTensor("o_proj.input", x.rows * qh * d, ab)]
     return out
 
 
@@ -259,7 +265,7 @@ def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool, ep: int) -> list[SavedTensor]:
             SavedTensor("router.logsumexp", x.rows, 4),
             SavedTensor("router.topk_ids", slots, 8),
             SavedTensor("router.weights_and_sum", slots + x.rows, 4),
-            SavedTensor("dispatch.order", 2 * slots, 8),
+            SavedTensor("dispatch.order", (2 if ep == 1 else 4) * slots, 8),  # ep: regrouped by local expert
             SavedTensor("experts.input", slots * h, ab)]
     out += [SavedTensor("experts.group_offsets", e // ep, 4)]  # the grouped-matmul kernel's offsets
     out += _swiglu("experts", slots, f, ab)
@@ -293,5 +299,5 @@ def saved_tensors_output(model: ModelSpec, layout: LayoutSpec,
     else:
         out = [SavedTensor("final_norm.input", x.nrows * h, x.ab)]
     vocab_t = -(-model.vocab // x.t)  # vocab padded to a multiple of t
-    return out + [SavedTensor("head.input", x.nrows * h, x.ab),
+    return out + [SavedTensor("head.input", x.rows * h, x.ab),  # all-gathered under sequence parallel
                   SavedTensor("loss.log_probs", x.rows * vocab_t, 4)]
