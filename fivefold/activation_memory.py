@@ -5,8 +5,9 @@ every tensor autograd saves to the layer whose forward saved it. A storage is co
 (q, k and v save the same input); parameters are not activations; a storage saved by
 several layers (the rotary tables) is reported apart as shared.
 
-Derived: `saved_tensors_per_layer` lists, tensor by tensor, what fivefold's layer saves --
-the method of Korthikanti et al. 2022 (section 4.1), which finds sbh(34 + 5as/h) bytes for
+Derived: `saved_tensors_per_layer` is the planner's list (fivefold.planner.activations, the
+one description of what a layer saves, for every precision, MoE, SP, CP and recomputation)
+for a runtime model and layout. It follows the method of Korthikanti et al. 2022 (section 4.1), which finds sbh(34 + 5as/h) bytes for
 a GPT layer, sbh(10 + 24/t + 5as/(ht)) under tensor parallelism and everything divided by
 t under sequence parallelism. For fivefold's layer (RMSNorm, grouped-query attention with
 RoPE and PyTorch's fused SDPA, SwiGLU, no dropout), fp32 activations, b sequences of s
@@ -28,52 +29,39 @@ are all-gathered before q, k, v and gate, up and kept whole for their weight gra
 (2 b s h, not divided by t); Megatron instead keeps the shard and all-gathers again in
 backward (more communication, less memory) -- the one term where fivefold's formula keeps
 a full-size tensor. The key/value terms do not shrink with fewer kv heads because the
-model repeats k and v to every query head before attention.
+model repeats k and v to every query head before attention
+(`fivefold.planner.activations.attention_saved_kv_heads`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from .config import Layout, ModelConfig
-from .planner.activations import SavedTensor  # one record type for derived and measured lists
+from .planner.activations import SavedTensor
+from .planner.activations import saved_tensors_per_layer as planner_saved_tensors  # the one list
+from .planner.bridge import layout_spec, model_spec
 
 
-def saved_tensors_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int) -> list[SavedTensor]:
-    """Every tensor one dense layer saves for backward on one tp rank (fp32 activations).
+def saved_tensors_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int,
+                            precision: str = "fp32", moe: bool = False) -> list[SavedTensor]:
+    """Every tensor one layer saves for backward on one rank: the planner's list
+    (`fivefold.planner.activations`) for this runtime model and layout.
 
     See the module docstring for the derivation; `measure_saved_bytes` checks it.
     """
-    t, h, a, f = layout.tp, model.hidden, model.heads, model.ffn
-    tokens = micro_batch * seq_len // layout.cp  # in tensor-parallel regions
-    norm_tokens = tokens // t if layout.sequence_parallel else tokens
-    local_heads, fp32 = a // t, 4
-    out = []
-    for norm in ("attn_norm", "mlp_norm"):
-        out += [
-            SavedTensor(f"{norm}.input", norm_tokens * h, fp32),
-            SavedTensor(f"{norm}.rstd", norm_tokens, fp32),
-            SavedTensor(f"{norm}.normalised", norm_tokens * h, fp32),
-        ]
-    out += [
-        SavedTensor("attn.input", tokens * h, fp32),  # all-gathered under sequence parallel
-        SavedTensor("sdpa.q", tokens * local_heads * model.head_dim, fp32),
-        SavedTensor("sdpa.k_repeated", tokens * local_heads * model.head_dim, fp32),
-        SavedTensor("sdpa.v_repeated", tokens * local_heads * model.head_dim, fp32),
-        SavedTensor("sdpa.out_and_wo.input", tokens * local_heads * model.head_dim, fp32),
-        SavedTensor("sdpa.logsumexp", tokens * local_heads, fp32),
-        SavedTensor("mlp.input", tokens * h, fp32),
-    ]
-    out += [SavedTensor(f"mlp.{n}", tokens * f // t, fp32) for n in ("gate_out", "up_out", "silu_out", "down_input")]
-    return out
+    spec = dataclasses.replace(layout_spec(layout, micro_batch * layout.dp), micro_batch=micro_batch)
+    return planner_saved_tensors(model_spec(model, seq_len), spec, precision, moe)
 
 
-def activation_bytes_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int) -> int:
+def activation_bytes_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int,
+                               precision: str = "fp32", moe: bool = False) -> int:
     """Sum of `saved_tensors_per_layer`: the closed forms of the module docstring."""
-    return sum(s.bytes for s in saved_tensors_per_layer(model, layout, micro_batch, seq_len))
+    return sum(s.bytes for s in saved_tensors_per_layer(model, layout, micro_batch, seq_len, precision, moe))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,9 @@ Each case builds one rank of a published-size layout, runs one training step's c
 holds the rank's bytes against the planner's estimate for its pipeline stage: parameters,
 gradients and optimizer state within 1%, bytes per axis exactly (MoE layouts also send
 their per-expert token counts before each dispatch, which the planner leaves out: checked
-exactly below). Activation bytes are
-reported beside the planner's; the dense case checks them against fivefold's own derivation
-(fivefold/activation_memory.py), which the measurement follows. Global batches are cut to a
+exactly below). Activation bytes
+are within 5% of the planner's (see `_check_activations` for what differs); the dense case
+also checks them against the per-layer derivation (fivefold/activation_memory.py). Global batches are cut to a
 few micro-batches per rank to keep the cases fast; the 405B case is the published one.
 """
 
@@ -41,6 +41,31 @@ def _comm(rows: dict) -> dict[str, tuple[int, int]]:
     return {label[5:]: (row.measured, row.planned) for label, row in rows.items() if label.startswith("comm ")}
 
 
+def _check_activations(rows: dict) -> None:
+    """Saved activations within 5% of the planner (in practice within 0.2%). Both come from the
+    one saved-tensor list (fivefold/planner/activations.py); what the planner leaves out is the
+    rotary cos/sin tables every layer of a stage shares (2 s d fp32 per micro-batch), the loss's
+    per-token targets and statistics, and a sigmoid router's two per-token sums."""
+    row = rows["activations saved"]
+    assert row.planned and abs(row.difference) <= 0.05, (row.measured, row.planned, row.difference)
+
+
+@pytest.mark.parametrize(
+    "preset, layout, world",
+    [("tiny", "tp=4", 4), ("tiny", "tp=4,sequence_parallel=true", 4), ("tiny", "cp=2,cp_algorithm=allgather", 2),
+     ("tiny", "cp=2,cp_algorithm=ulysses", 2), ("tiny-moe", "tp=2,sequence_parallel=true,dp=2,ep=2", 4),
+     ("tiny", "pp=2", 2)],
+)
+def test_saved_activations_of_every_rank_follow_the_planner(preset, layout, world):
+    """Every rank of small layouts the published cases do not cover (kv heads < tp, sequence
+    parallel, all-gather and Ulysses context parallel, MoE with tp, SP and ep, both pipeline
+    stages): within 1%, the rest being the tables and loss statistics `_check_activations` names."""
+    report = _dry_run(preset, layout, world, "--train.global_batch=4", ranks=list(range(world)))
+    for result in report.results:
+        row = _rows(report, result)["activations saved"]
+        assert abs(row.difference) <= 0.01, (result.rank, row.measured, row.planned)
+
+
 def _check_comm_exact(rows: dict) -> None:
     for axis, (measured, planned) in _comm(rows).items():
         assert measured == planned, (axis, measured, planned)
@@ -59,6 +84,7 @@ def test_llama3_8b_data_parallel_matches_planner_and_own_derivation():
     (result,) = report.results
     rows = _rows(report, result)
     _check_states(rows)
+    _check_activations(rows)
     _check_comm_exact(rows)
     assert set(_comm(rows)) == {"dp"}
     config = report.config
@@ -80,6 +106,7 @@ def test_llama3_70b_tp8_pp4_dp2_zero1_bf16():
     (result,) = report.results
     rows = _rows(report, result)
     _check_states(rows)
+    _check_activations(rows)
     # ZeRO-1 over dp=2: 8 bytes of Adam moments per parameter, half of them here = the 4-byte weights
     assert abs(rows["optimizer state"].measured - rows["parameters"].measured) <= 0.01 * rows["parameters"].measured
     _check_comm_exact(rows)
@@ -92,6 +119,7 @@ def test_llama3_405b_published_layout_on_16384_ranks():
     assert result.stage == 15  # the last pipeline stage: head and loss
     rows = _rows(report, result)
     _check_states(rows)
+    _check_activations(rows)
     _check_comm_exact(rows)
     assert set(_comm(rows)) == {"dp", "pp", "tp"}
     assert rows["activations saved"].measured > 0
@@ -109,6 +137,7 @@ def test_moe_expert_parallel(preset, layout, world, overrides):
     (result,) = report.results
     rows = _rows(report, result)
     _check_states(rows)
+    _check_activations(rows)
     model = report.config.model
     counts = _expert_counts_bytes(report.config, sum(model.is_moe_layer(i) for i in range(model.layers)))
     comm = _comm(rows)
@@ -125,6 +154,7 @@ def test_long_context_ring_attention_cp16():
     (result,) = report.results
     rows = _rows(report, result)
     _check_states(rows)
+    _check_activations(rows)
     _check_comm_exact(rows)
     assert set(_comm(rows)) == {"cp", "dp", "tp"}
 

@@ -91,16 +91,22 @@ def test_korthikanti_selective_and_full_recompute():
 
 
 def test_llama_saved_tensors_listed_explicitly():
+    """fivefold's layer: K/V repeated to every query head before SDPA, the attention output
+    once (it is the output projection's input), each RMSNorm's input, rstd and x * rstd."""
     m = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=100, seq_len=32)
     saved = saved_tensors_per_layer(m, LayoutSpec(micro_batch=1), "fp32")
     names = [t.name for t in saved]
-    for want in ("sdpa.q", "sdpa.k", "sdpa.v", "sdpa.out", "sdpa.logsumexp", "mlp.silu_out"):
+    for want in ("sdpa.q", "sdpa.k", "sdpa.v", "sdpa.out_and_o_proj.input", "sdpa.logsumexp", "mlp.silu_out",
+                 "attn_norm.normalised", "mlp_norm.rstd"):
         assert want in names
+    assert len(names) == len(set(names))
     by = {t.name: t for t in saved}
-    assert by["sdpa.k"].elements == 32 * 2 * 16 and by["sdpa.logsumexp"].elements == 32 * 4
+    assert by["sdpa.k"].elements == 32 * 4 * 16 and by["sdpa.logsumexp"].elements == 32 * 4
     total = sum(e * b for _, e, b in saved)
-    assert total == 4 * 32 * (7 * 64 + 2 * 32 + 4 * 96) + 4 * 32 * (2 + 4)
+    assert total == 4 * 32 * (10 * 64 + 4 * 96 + 2 + 4)
     assert activation_bytes_per_layer(m, LayoutSpec(), "fp32") == total
+    selective = {t.name: t for t in saved_tensors_per_layer(m, LayoutSpec(micro_batch=1, recompute="selective"), "fp32")}
+    assert selective["core.k"].elements == 32 * 2 * 16 and "sdpa.logsumexp" not in selective  # checkpoint keeps grouped K/V
 
 
 def test_interleaved_in_flight_factor():

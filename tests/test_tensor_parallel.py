@@ -173,6 +173,45 @@ def _saved_bytes(config, mesh: Mesh) -> list[int]:
     return list(measured.per_layer.values())
 
 
+@pytest.mark.parametrize(
+    "preset, recompute, overrides, precision",
+    [("tiny", "selective", [], "fp32"), ("tiny", "full", [], "fp32"),
+     ("tiny-moe", "none", ["--model.first_dense_layers=1"], "fp32"),
+     ("tiny", "none", [], "bf16,params=fp32"), ("tiny", "none", [], "bf16")],
+)
+def test_saved_bytes_equal_the_one_list_under_recompute_and_moe(preset, recompute, overrides, precision):
+    """One process: every layer saves exactly the planner's list (fivefold.planner.activations)
+    with selective recomputation (the checkpointed core keeps grouped K/V), full recomputation
+    (the layer input), MoE layers (router, dispatch, grouped experts, combine) beside a dense
+    one, and bf16 autocast over fp32 weights (each linear's own casts of input and weight,
+    fp32 residual stream) or over bf16 weights."""
+    import dataclasses
+
+    from fivefold.parallel.sharding import materialize
+    from fivefold.parallelize import apply_recompute
+
+    config = load_config(preset, overrides)
+    layout = dataclasses.replace(config.layout, recompute=recompute)
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    materialize(model, config.model, config.train.seed)
+    apply_recompute(model, recompute)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    ids = torch.randint(0, config.model.vocab_size, (2, config.train.seq_len), generator=torch.Generator().manual_seed(0))
+
+    def forward() -> None:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision != "fp32"):
+            model(ids)
+
+    measured = measure_saved_bytes(model, forward, dict(model.layers.items()))
+    derived = [activation_bytes_per_layer(config.model, layout, 2, config.train.seq_len, precision,
+                                          moe=config.model.is_moe_layer(i))
+               for i in range(config.model.layers)]
+    assert list(measured.per_layer.values()) == derived
+    assert len(set(derived)) == (2 if config.model.num_experts else 1)
+
+
 def _measure_layouts(ctx, layouts: list[Layout]):
     config = load_config("tiny")
     return [_saved_bytes(config.replace(layout=layout), ctx.mesh(layout)) for layout in layouts]

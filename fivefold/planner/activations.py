@@ -18,38 +18,48 @@ split: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism everything is split:
 sbh(34/t + 5as/(ht)); selective recomputation drops the 5as^2b attention-core terms
 (34sbh/t with SP); full recomputation keeps only the layer input, 2sbh (2sbh/t with SP).
 
-Llama layer (fivefold: RMSNorm, GQA + RoPE, SDPA, SwiGLU, no dropout). Following the same
-convention (a norm saves its input and its 1/rms statistics; a linear layer saves its
-input; RoPE multiplies by constant tables and saves nothing per token)::
+Llama layer: exactly what fivefold's runtime layer saves (model/llama.py, attention.py,
+moe.py), so that one list serves the planner and the runtime (fivefold.activation_memory
+sums it; tests measure it with saved-tensor hooks). Per token, fp32::
 
-    attn_norm.input sbh, attn_norm.rstd sb (fp32), qkv.input sbh,
-    sdpa.q sbh, sdpa.k sb(kv d), sdpa.v sb(kv d), sdpa.out sbh, sdpa.logsumexp sba (fp32),
-    o_proj.input sbh, mlp_norm.input sbh, mlp_norm.rstd sb (fp32), mlp.input sbh,
-    mlp.gate_out sbf, mlp.silu_out sbf, mlp.up_out sbf, down.input sbf
+    attn_norm: input, rstd (1), x * rstd (h each)     -- RMSNorm's weight gradient needs x * rstd
+    qkv.input h                                       -- one storage for wq, wk, wv
+    sdpa.q, sdpa.k, sdpa.v, sdpa.out (= o_proj.input) -- K/V at `attention_saved_kv_heads`
+    sdpa.logsumexp a/t (fp32)
+    mlp_norm: input, rstd, x * rstd; mlp.input h; gate_out, silu_out, up_out, down_input f/t
 
 SDPA (flash and math kernels alike, e.g. fp32 on CPU) saves q, k, v, its output and the
-log-sum-exp per query and head; the output projection saves its own contiguous copy of the
-attention output. K/V are counted at their GQA size (no repeat to all heads); with t > kv each rank holds one
-key/value head (the runtime repeats each head on t/kv ranks).
-MoE layers replace the MLP by: router.probs sbE (fp32 softmax), and per routed copy of a
-token (k per token, balanced routing assumed) experts.input, four SwiGLU tensors of width
-f_e, combine.expert_out and combine.weights, plus four SwiGLU tensors per shared expert.
+log-sum-exp per query and head; the output projection's input is the same storage. The
+attention repeats K/V to every local query head before SDPA, so they are saved at query-head
+size (`attention_saved_kv_heads` is the one place that says so; ring attention keeps them
+grouped). bf16 follows autocast: RMSNorm keeps an fp32 copy of its input; under autocast over
+fp32 weights the residual stream and x * rstd stay fp32 and every linear layer saves its own
+bf16 cast of its input and of its weight; the rotary tables are cast per layer for q and k.
+MoE layers replace the MLP by the router (logits, kept by the z-loss's logsumexp, probs,
+top-k ids, weights), the dispatch orders, per routed copy of a token (k per token, balanced
+routing) experts.input, four SwiGLU tensors of width f_e, the experts' rows kept by
+index_copy, combine.expert_out and weights, four SwiGLU tensors of the shared experts, and
+per-sequence auxiliary-loss statistics. Not modelled (below 0.2% in the dry-run cases): a
+sigmoid router's two per-token sums, the shared fp32 rotary tables, the loss's per-token
+targets and statistics.
 
 Parallel splits: tensor-parallel regions (attention core, MLP) hold a/t heads and f/t
-columns; norm regions are whole unless sequence parallel, where they hold s/t tokens and
-the QKV/MLP inputs are kept sharded and all-gathered again in backward (Korthikanti 4.2.2).
-Context parallelism splits s by c; the all-gather variant saves the gathered K/V (full s),
-ring and Ulysses save local-size tensors. Expert inputs are not sequence-parallel.
-Selective recomputation re-runs the attention core (drops sdpa.out, sdpa.logsumexp or the
-GPT softmax terms); full recomputation keeps the layer input only.
+columns; norm regions are whole unless sequence parallel, where they hold s/t tokens; the
+runtime all-gathers the QKV/MLP inputs and keeps them whole for the weight gradients
+(Megatron instead keeps the shard and gathers again in backward, Korthikanti 4.2.2).
+Context parallelism splits s by c; the all-gather variant saves the gathered K/V (full s)
+and its causal mask, ring and Ulysses save local-size tensors. Expert inputs are not
+sequence-parallel. Selective recomputation checkpoints the attention core, which keeps its
+grouped q, k, v inputs (drops the repeated K/V, sdpa.logsumexp or the GPT softmax terms);
+full recomputation keeps the layer input only.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..precision import PrecisionError, parse_policy
-from ..volumes import local_kv_heads, vocab_rows_per_rank
+from ..precision import DTYPE_BYTES, PrecisionError, parse_policy
+from ..volumes import local_kv_heads, ulysses_kv_heads, vocab_rows_per_rank
 from .errors import UnknownNameError, choices
 from .spec import LayoutSpec, ModelSpec
 
@@ -80,7 +90,14 @@ class _Dims(NamedTuple):
     nrows: int    # tokens in norm regions: rows / t with sequence parallel
     kv_rows: int  # tokens of saved K/V: b * s for all-gather CP
     t: int
-    ab: int       # bytes per activation element
+    ab: int       # bytes per activation element (the compute dtype)
+    rb: int       # bytes of the residual stream: the wider of the parameter and compute dtypes
+    casts: bool   # autocast over wider weights: each linear saves its own cast of input and weight
+
+
+def _residual_bytes(precision: str) -> int:
+    policy = parse_policy(precision)
+    return max(policy.compute_bytes, DTYPE_BYTES[policy.params])
 
 
 def _dims(m: ModelSpec, lay: LayoutSpec, precision: str) -> _Dims:
@@ -88,7 +105,8 @@ def _dims(m: ModelSpec, lay: LayoutSpec, precision: str) -> _Dims:
     rows = b * s // c
     nrows = rows // t if lay.sequence_parallel else rows
     kv_rows = b * s if (c > 1 and lay.cp_kind == "allgather") else rows
-    return _Dims(b, s, rows, nrows, kv_rows, t, activation_dtype_bytes(precision))
+    ab, rb = activation_dtype_bytes(precision), _residual_bytes(precision)
+    return _Dims(b, s, rows, nrows, kv_rows, t, ab, rb, rb != ab)
 
 
 def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
@@ -100,10 +118,10 @@ def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str
     moe = model.is_moe if moe is None else (moe and model.num_experts > 0)
     x = _dims(model, layout, precision)
     if layout.recompute == "full":
-        return [SavedTensor("layer.input", x.nrows * model.hidden, x.ab)]
+        return [SavedTensor("layer.input", x.nrows * model.hidden, x.rb)]
     if model.arch == "gpt":
         return _gpt_attention(model, layout, x) + _gpt_mlp(model, x, moe)
-    return _llama_attention(model, layout, x) + _llama_mlp(model, x, moe)
+    return _llama_attention(model, layout, x) + _llama_mlp(model, x, moe, layout.ep)
 
 
 def activation_bytes_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
@@ -157,21 +175,73 @@ def _gpt_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
     return out + [SavedTensor("mlp.dropout_mask", x.nrows * h, 1)]
 
 
+def attention_saved_kv_heads(m: ModelSpec, lay: LayoutSpec) -> int:
+    """Key/value heads per rank that fivefold's attention saves for backward: the one place
+    that says how grouped-query attention keeps K/V.
+
+    The attention cores (model/attention.py; all-gather and Ulysses context parallelism)
+    repeat each K/V head to the local query heads before SDPA, so SDPA saves K and V at
+    query-head size; ring attention groups the query heads itself and saves K/V at their own
+    size. An attention that saves grouped K/V (SDPA with ``enable_gqa``) changes this function.
+    """
+    if lay.cp > 1 and lay.cp_kind == "ring":
+        return local_kv_heads(m.n_kv_heads, lay.tp)
+    return m.heads // lay.tp
+
+
+def _rmsnorm(prefix: str, rows: int, h: int, x: _Dims) -> list[SavedTensor]:
+    """RMSNorm (model/llama.py): x.float() (the input itself in fp32, a copy otherwise),
+    rsqrt's output, x * rstd for the weight gradient (in the residual dtype)."""
+    return [SavedTensor(f"{prefix}.input_fp32", rows * h, 4),
+            SavedTensor(f"{prefix}.rstd", rows, 4),
+            SavedTensor(f"{prefix}.normalised", rows * h, x.rb)]
+
+
+def _linear_inputs(name: str, rows: int, width: int, consumers: int, x: _Dims) -> list[SavedTensor]:
+    """One input read by ``consumers`` linear layers: saved once, or, under autocast over
+    wider weights, one compute-dtype cast per layer (autocast caches only weights' casts)."""
+    return [SavedTensor(name, (consumers if x.casts else 1) * rows * width, x.ab)]
+
+
+def _weight_casts(elements: int, x: _Dims) -> list[SavedTensor]:
+    """Autocast over wider weights saves each weight's compute-dtype cast for its backward."""
+    return [SavedTensor("autocast.weight_casts", elements, x.ab)] if x.casts else []
+
+
+def _rope_casts(m: ModelSpec, x: _Dims) -> list[SavedTensor]:
+    """apply_rope casts the fp32 cos/sin tables (local positions x d) to the compute dtype for
+    q and k; in fp32 the shared tables themselves are saved (not counted per layer)."""
+    return [SavedTensor("rope.table_casts", 4 * (x.rows // x.b) * m.head_dim, x.ab)] if x.ab != 4 else []
+
+
 def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
     h, ab, t = m.hidden, x.ab, x.t
-    qd, kvd = m.heads * m.head_dim // t, local_kv_heads(m.n_kv_heads, t) * m.head_dim
-    out = [
-        SavedTensor("attn_norm.input", x.nrows * h, ab),
-        SavedTensor("attn_norm.rstd", x.nrows, 4),
-        SavedTensor("qkv.input", x.nrows * h, ab),
-        SavedTensor("sdpa.q", x.rows * qd, ab),
-        SavedTensor("sdpa.k", x.kv_rows * kvd, ab),
-        SavedTensor("sdpa.v", x.kv_rows * kvd, ab),
-    ]
-    if lay.recompute == "none":
-        out += [SavedTensor("sdpa.out", x.rows * qd, ab),
-                SavedTensor("sdpa.logsumexp", x.rows * (m.heads // t), 4)]
-    return out + [SavedTensor("o_proj.input", x.rows * qd, ab)]
+    d, qh = m.head_dim, m.heads // t
+    gathered = x.rows  # q, k, v's input: whole under tp, all-gathered under sequence parallel
+    out = _rmsnorm("attn_norm", x.nrows, h, x) + _linear_inputs("qkv.input", gathered, h, 3, x)
+    kv_local = local_kv_heads(m.n_kv_heads, t) * d
+    out += _weight_casts(2 * h * qh * d + 2 * h * kv_local, x) + _rope_casts(m, x)
+    if lay.recompute == "selective":  # the checkpointed core keeps its inputs, grouped K/V
+        kvh = local_kv_heads(m.n_kv_heads, t)
+        return out + [SavedTensor("core.q", x.rows * qh * d, ab),
+                      SavedTensor("core.k", x.rows * kvh * d, ab),
+                      SavedTensor("core.v", x.rows * kvh * d, ab),
+                      SavedTensor("o_proj.input", x.rows * qh * d, ab)]
+    kvh = attention_saved_kv_heads(m, lay)
+    out += [SavedTensor("sdpa.q", x.rows * qh * d, ab),
+            SavedTensor("sdpa.k", x.kv_rows * kvh * d, ab),
+            SavedTensor("sdpa.v", x.kv_rows * kvh * d, ab),
+            SavedTensor("sdpa.out_and_o_proj.input", x.rows * qh * d, ab),  # one storage
+            SavedTensor("sdpa.logsumexp", x.rows * qh, 4)]
+    if lay.cp > 1 and lay.cp_kind == "allgather":  # the causal mask of local queries x all keys
+        out.append(SavedTensor("sdpa.mask", x.rows * x.s, 1))
+    if lay.cp > 1 and lay.cp_kind == "ulysses":
+        # q is a view of the all-to-all's q|k|v buffer, which it keeps whole; the output comes
+        # back through an all-to-all, so the output projection's input is a storage of its own
+        kv_sent = ulysses_kv_heads(lay.cp, local_kv_heads(m.n_kv_heads, t))
+        out += [SavedTensor("ulysses.kv_in_q_buffer", 2 * x.rows * kv_sent * d, ab),
+                SavedTensor("o_proj.input", x.rows * qh * d, ab)]
+    return out
 
 
 def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
@@ -181,21 +251,31 @@ def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
             SavedTensor(f"{prefix}.down_input", rows * width, ab)]
 
 
-def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
+def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool, ep: int) -> list[SavedTensor]:
     h, ab = m.hidden, x.ab
-    out = [SavedTensor("mlp_norm.input", x.nrows * h, ab),
-           SavedTensor("mlp_norm.rstd", x.nrows, 4),
-           SavedTensor("mlp.input", x.nrows * h, ab)]
+    out = _rmsnorm("mlp_norm", x.nrows, h, x)
     if not moe:
-        return out + _swiglu("mlp", x.rows, m.ffn // x.t, ab)
-    k, f = m.top_k, m.expert_ffn // x.t
-    out += [SavedTensor("router.probs", x.rows * m.num_experts, 4),
-            SavedTensor("experts.input", k * x.rows * h, ab)]
-    out += _swiglu("experts", k * x.rows, f, ab)
-    out += [SavedTensor("combine.expert_out", k * x.rows * h, ab),
-            SavedTensor("combine.weights", k * x.rows, ab)]
-    for j in range(m.shared_experts):
-        out += _swiglu(f"shared{j}", x.rows, f, ab)
+        return (out + _linear_inputs("mlp.input", x.rows, h, 2, x) + _weight_casts(3 * h * (m.ffn // x.t), x)
+                + _swiglu("mlp", x.rows, m.ffn // x.t, ab))
+    out += [SavedTensor("mlp.input", x.rows * h, ab)]
+    k, f, e = m.top_k, m.expert_ffn // x.t, m.num_experts
+    slots = k * x.rows
+    out += [SavedTensor("router.logits", x.rows * e, 4),
+            SavedTensor("router.probs", x.rows * e, 4),
+            SavedTensor("router.logsumexp", x.rows, 4),
+            SavedTensor("router.topk_ids", slots, 8),
+            SavedTensor("router.weights_and_sum", slots + x.rows, 4),
+            SavedTensor("dispatch.order", (2 if ep == 1 else 4) * slots, 8),  # ep: regrouped by local expert
+            SavedTensor("experts.input", slots * h, ab)]
+    out += [SavedTensor("experts.group_offsets", e // ep, 4)]  # the grouped-matmul kernel's offsets
+    out += _swiglu("experts", slots, f, ab)
+    out += [SavedTensor("dispatch.expert_rows", slots * h, ab),  # the experts' output, kept by index_copy
+            SavedTensor("combine.expert_out", slots * h, ab),
+            SavedTensor("combine.weights", slots, ab),
+            SavedTensor("combine.keep", slots, 1),
+            SavedTensor("aux_loss.per_sequence", x.b * (4 * e + 3), 4)]  # statistics, f and p per sequence
+    if m.shared_experts:
+        out += _swiglu("shared", x.rows, f * m.shared_experts, ab)
     return out
 
 
@@ -214,9 +294,10 @@ def saved_tensors_output(model: ModelSpec, layout: LayoutSpec,
     the (vocab-parallel) cross-entropy keeps, b s V / (c t) elements."""
     x = _dims(model, layout, precision)
     h = model.hidden
-    out = [SavedTensor("final_norm.input", x.nrows * h, x.ab)]
     if model.arch == "llama":
-        out.append(SavedTensor("final_norm.rstd", x.nrows, 4))
+        out = _rmsnorm("final_norm", x.nrows, h, x)
+    else:
+        out = [SavedTensor("final_norm.input", x.nrows * h, x.ab)]
     vocab_t = vocab_rows_per_rank(model.vocab, x.t)
-    return out + [SavedTensor("head.input", x.nrows * h, x.ab),
+    return out + [SavedTensor("head.input", x.rows * h, x.ab),  # all-gathered under sequence parallel
                   SavedTensor("loss.log_probs", x.rows * vocab_t, 4)]
