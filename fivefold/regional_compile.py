@@ -16,18 +16,19 @@ few graphs between the collectives.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from .model import Transformer
+from .model.llama import Block
 
 
 def compile_blocks(chunk: Transformer) -> None:
     """Replace each block's `_forward` with its compiled version, on this instance only."""
     for block in chunk.layers.values():
-        compile_block(block)
+        if isinstance(block, Block):  # every layer is; the check tells the type checker
+            compile_block(block)
 
 
-def compile_block(block: nn.Module) -> None:
+def compile_block(block: Block) -> None:
     # An instance attribute shadows the method: Block.forward (eager, with its hooks and
     # recomputation) calls self._forward, which is now the compiled computation.
-    block._forward = torch.compile(block._forward)
+    setattr(block, "_forward", torch.compile(block._forward))
