@@ -10,6 +10,9 @@ cases alternate in one run (fivefold.bench.alternate) and the table reports the 
 per-round time ratios against torch's GPipe. The bubble of each case is measured, not
 modelled: every rank records when it computes (fivefold's timeline; autograd markers
 around torch's stage modules) and bubble = 1 - sum(busy) / (stages x step time).
+
+torch has no ZB-H1 for one stage per rank, so `--schedules 1f1b,zb-h1` times fivefold's
+zero-bubble schedule against fivefold's 1F1B (and torch's) in the same run.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from fivefold.timeline import Timeline, bubble_formula, busy_seconds
 from fivefold.train import build, local_micro_batches
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+# Schedules run by fivefold only (zb-h1: compare it with fivefold's 1f1b in the same run).
+OURS_ONLY = ("zb-h1",)
 
 
 class _Busy:
@@ -87,7 +92,8 @@ class TorchStageModule(nn.Module):
 
 
 def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict) -> dict:
-    """Two cases per schedule: fivefold's runner and torch's schedule over the same chunks."""
+    """Two cases per schedule: fivefold's runner and torch's schedule over the same chunks
+    (fivefold's alone for a schedule in OURS_ONLY)."""
     from torch.distributed import pipelining
 
     train = config.train
@@ -100,6 +106,15 @@ def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict)
         model = build(cfg, mesh, torch.device("cpu"))
         micro = local_micro_batches(model, batch, 0)
         busy = _Busy()
+
+        def ours(model=model, micro=micro):
+            model.runner.run(micro)
+            model.optimizer.zero_grad()
+
+        cases[f"fivefold {name}"] = ours
+        if name in OURS_ONLY:
+            measured[name] = (model, micro, busy, ours, None)
+            continue
         stages = [
             pipelining.PipelineStage(
                 TorchStageModule(chunk, micro[0].positions, busy), stage_of(mesh.pp.rank, c, mesh.pp.size),
@@ -113,17 +128,12 @@ def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict)
         inputs = torch.cat([mb.inputs for mb in micro])
         targets = torch.cat([mb.targets for mb in micro])
 
-        def ours(model=model, micro=micro):
-            model.runner.run(micro)
-            model.optimizer.zero_grad()
-
         def theirs(model=model, schedule=schedule, inputs=inputs, targets=targets, first=mesh.pp.rank == 0,
                    last=mesh.pp.rank == mesh.pp.size - 1):
             args = (inputs,) if first else ()
             schedule.step(*args, target=targets if last else None, return_outputs=False)
             model.optimizer.zero_grad()
 
-        cases[f"fivefold {name}"] = ours
         cases[f"torch {name}"] = theirs
         measured[name] = (model, micro, busy, ours, theirs)
     return cases
@@ -149,6 +159,9 @@ def measure_bubbles(measured: dict, mesh: Mesh, repeats: int = 3) -> dict:
             ours()
             timeline, model.runner.timeline = model.runner.timeline, None
             ff.append(_bubble(busy_seconds(timeline.events), timeline.span, mesh.pp))
+            if theirs is None:
+                tt.append(float("nan"))
+                continue
             comm.all_reduce(torch.zeros(1), mesh.pp)
             busy.seconds, start = 0.0, time.perf_counter()
             theirs()
@@ -190,10 +203,11 @@ def main() -> None:
         print_table(comparison)
         for name in bubbles:
             b = meta[f"bubble {name}"]
-            pairs = zip(results[f"fivefold {name}"].seconds, results[f"torch {name}"].seconds)
+            peer = f"torch {name}" if name not in OURS_ONLY else f"fivefold {first}"
+            pairs = zip(results[f"fivefold {name}"].seconds, results[peer].seconds)
             ratio = statistics.median(a / b for a, b in pairs)
-            meta[f"bubble {name}"]["time_ratio_fivefold_over_torch"] = ratio
-            print(f"{name:12s} time fivefold/torch {ratio:.3f}   bubble fivefold {b['fivefold']:.1%}  "
+            meta[f"bubble {name}"][f"time_ratio_over {peer}"] = ratio
+            print(f"{name:12s} time fivefold {name} / {peer} {ratio:.3f}   bubble fivefold {b['fivefold']:.1%}  "
                   f"torch {b['torch']:.1%}  formula {b['formula']:.1%}")
         path = args.json or os.path.join("runs", f"bench_pp_pp{pp}.json")
         print(f"wrote {write_json([comparison], path)}")

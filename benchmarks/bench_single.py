@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
 import time
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
     p.add_argument("--matmul-reps", type=int, default=0, help="GEMMs per matmul case (0: about one step's FLOPs)")
     p.add_argument("--out", default="bench_results/single.json")
+    p.add_argument("--compile", action="store_true",
+                   help="also time fivefold with train.compile=true (each block compiled); reports the compile time")
     return p.parse_args(argv)
 
 
@@ -201,6 +204,15 @@ def setup(preset: str, dtype: str):
     return config, sampler, model, hf
 
 
+def compiled_cases(config: Config, sampler: Sampler, steps: int) -> tuple[dict[str, Callable[[], None]], float]:
+    """fivefold's cases with train.compile=true, and the wall seconds of the first call (compiling)."""
+    config = config.replace(train=dataclasses.replace(config.train, compile=True))
+    cases = fivefold_cases(build(config, Mesh.single(config.layout), torch.device("cpu")), sampler, steps)
+    start = time.perf_counter()
+    cases["fwd_bwd"]()
+    return cases, time.perf_counter() - start
+
+
 @torch.no_grad()
 def check_same_model(model: ParallelModel, hf, sampler: Sampler) -> dict:
     """Parameter counts of both, and how far apart their fp32 logits are on one batch."""
@@ -254,6 +266,8 @@ def summarize(results: dict[str, CaseResult], cpu: dict[str, list[float]], confi
     comparisons = []
     for kind, title in (("train", "train step (fwd+bwd+clip+AdamW)"), ("fwd_bwd", "forward + backward only")):
         names = {f"fivefold {kind}": "fivefold", f"transformers {kind}": "transformers"}
+        if f"fivefold+compile {kind}" in results:
+            names[f"fivefold+compile {kind}"] = "fivefold+compile"
         for key in names:
             res, base = results[key], f"transformers {kind}"
             res.extra["tokens_per_s"] = tokens / res.median
@@ -286,7 +300,7 @@ def print_report(comparisons: list[Comparison], summary: dict, equivalence: dict
     for comparison in comparisons:
         for name, res in comparison.cases.items():
             x = res.extra
-            ours = name == "fivefold"
+            ours = name.startswith("fivefold")
             table.add_row(
                 f"{name} {comparison.meta['kind']}", f"{res.median:.3f}", f"{x['tokens_per_s']:,.0f}",
                 _fmt(x["throughput_vs_transformers"]) if ours else "",
@@ -320,13 +334,20 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
         "fivefold train": ours["train"], "transformers train": theirs["train"],
         "fivefold fwd_bwd": ours["fwd_bwd"], "transformers fwd_bwd": theirs["fwd_bwd"], "matmul": matmul,
     }
+    compile_s = None
+    if args.compile:
+        compiled, compile_s = compiled_cases(config, sampler, args.steps)
+        cases |= {"fivefold+compile train": compiled["train"], "fivefold+compile fwd_bwd": compiled["fwd_bwd"]}
     clocks = {name: CpuClock(fn) for name, fn in cases.items()}
     results = alternate(clocks, warmup=args.warmup, rounds=args.rounds)
     cpu = {name: clock.seconds[args.warmup:] for name, clock in clocks.items()}  # drop the warm-up calls
     comparisons, summary = summarize(results, cpu, config, args.steps, matmul_flops)
     for c in comparisons:
-        c.meta |= {"equivalence": equivalence, "matmul_reps": reps, "matmul_rounds_s": results["matmul"].seconds}
+        c.meta |= {"equivalence": equivalence, "matmul_reps": reps, "matmul_rounds_s": results["matmul"].seconds,
+                   "compile_first_call_s": compile_s}
     print_report(comparisons, summary, equivalence, config)
+    if compile_s is not None:
+        print(f"train.compile: first fwd_bwd call (compilation included) took {compile_s:.1f} s")
     return comparisons
 
 

@@ -132,6 +132,7 @@ class TrainConfig:
     device: str = "auto"  # auto, cpu, cuda
     run_dir: str = ""  # empty: a new folder under runs/
     trace: bool = False  # record a per-rank timeline of one step (Gantt PNG + Chrome trace)
+    compile: bool = False  # torch.compile each transformer block's computation (regional compilation)
     profile: tuple[int, ...] = ()  # steps to record with torch.profiler (RUN_DIR/profile/)
     drift_margin: float = 0.25  # warn when a measurement is off the planner's prediction by more (ratio)
     # Fault handling of multi-process jobs (fivefold/launch.py, the watchdog in parallel/comm.py).

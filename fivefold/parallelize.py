@@ -95,6 +95,10 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
 
             finalizers += apply_context_parallel(chunk, mesh, config)
         apply_recompute(chunk, layout.recompute)
+        if config.train.compile:
+            from .regional_compile import compile_blocks
+
+            compile_blocks(chunk)
         materialize(chunk, config.model, config.train.seed, device)
     if layout.tp > 1:
         from .parallel.tensor_parallel import vocab_parallel_loss

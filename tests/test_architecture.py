@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "fivefold.step": MODEL,  # what a step is made of, below the strategies and the loop
     "fivefold.mesh": MESH,
     "fivefold.parallel": PARALLEL,
+    "fivefold.regional_compile": PARALLEL,  # a transformation the composition point applies, like a strategy
     "fivefold.parallel.comm": MESH,
     "fivefold.parallel.schedules": PURE,
     "fivefold.parallelize": COMPOSE,

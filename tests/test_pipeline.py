@@ -12,6 +12,8 @@ import torch
 from fivefold.config import load_config
 from fivefold.layout import LayoutError, validate
 from fivefold.parallel.pipeline import (
+    DeferWeightGrads,
+    apply_deferred_weight_grads,
     balanced_counts,
     forward_only,
     layer_cost,
@@ -81,6 +83,28 @@ def test_released_output_still_backpropagates():
     assert out.untyped_storage().nbytes() == 4 and out.shape == (3, 4)
     torch.autograd.backward([out], [torch.ones(3, 4)])
     assert torch.equal(w.grad, expected)
+
+
+def test_weight_step_does_the_deferred_linear_work():
+    """B leaves every linear weight's gradient undone and W computes exactly the eager ones."""
+    from fivefold.model.llama import build_model
+
+    model = build_model(_config().model, seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(ids)[0].square().mean().backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    pending: list = []
+    with DeferWeightGrads({id(p) for p in model.parameters()}, pending) as mode:
+        out = model(ids)[0]
+    out.square().mean().backward()  # the input-gradient pass only
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert {id(item.weight) for item in pending} == mode.deferred
+    assert len(pending) == len(linears)
+    assert all(model.get_submodule(n).weight.grad is None for n in linears)  # left for W
+    apply_deferred_weight_grads(pending)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize(

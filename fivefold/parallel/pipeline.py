@@ -15,6 +15,21 @@ Executor
     node stays, which is all backward needs) and backward starts from it with the gradient
     received from the next stage.
 
+Zero-bubble weight step
+    Under a schedule with BACKWARD_INPUT / BACKWARD_WEIGHT actions (zb-h1) the forward runs
+    under `DeferWeightGrads`, a torch-function mode that routes every bias-free `F.linear`
+    on one of the chunk's parameters (attention and MLP projections, the router, the head,
+    their tensor-parallel versions) through `_DeferredLinear`. Its backward returns only the
+    input gradient and leaves (input, output gradient) behind, so the input-gradient step
+    (B) is a full backward minus those matmuls and frees the graph; the gradients of the
+    other parameters (norms, embedding, expert weights) are computed in B but held, not
+    accumulated. The weight step (W) does the deferred work, dW = dy^T x for each linear,
+    and accumulates every gradient of the micro-batch through autograd, so each
+    parameter's accumulation hook fires once per micro-batch, in W, as data parallel's
+    bucket counting expects. The model stays plain PyTorch. Under
+    recompute=full nothing is deferred (the recomputed forward would not rebuild the
+    deferred linears): B then computes every gradient and W has nothing left to do.
+
 Gradients and the loss
     Every micro-batch's loss is CE_sum / (global_batch x seq_len) + aux / global_batch, as in
     `train.forward_backward`, so the sum over micro-batches and data-parallel ranks is the
@@ -30,6 +45,8 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ..config import Config, ModelConfig
 from ..mesh import Mesh
@@ -109,6 +126,78 @@ def tied_gradient_finalizer(chunks: list[Transformer], mesh: Mesh, model: ModelC
     return finalize
 
 
+# ------------------------------------------------------------------ deferred weight gradients
+
+
+@dataclass
+class PendingWeightGrad:
+    """What a deferred linear left for the weight step: dW = dy^T x."""
+
+    weight: torch.Tensor
+    input: torch.Tensor  # x as the matmul saw it (autocast dtype)
+    output_grad: torch.Tensor  # dy
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """y = x W^T whose backward returns dx and leaves (x, dy) in `pending` for later.
+
+    The weight enters detached, so the input-gradient backward never reaches the weight's
+    gradient accumulator: that happens once, in the weight step.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight_value: torch.Tensor, weight: torch.Tensor, pending: list):
+        ctx.save_for_backward(x, weight_value)
+        ctx.weight, ctx.pending = weight, pending
+        return F.linear(x, weight_value)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight_value = ctx.saved_tensors
+        ctx.pending.append(PendingWeightGrad(ctx.weight, x, dy))
+        return dy.matmul(weight_value.to(dy.dtype)), None, None, None
+
+
+class DeferWeightGrads(TorchFunctionMode):
+    """While active, `F.linear(x, W)` with W one of `weights` defers W's gradient to `pending`."""
+
+    def __init__(self, weights: set[int], pending: list[PendingWeightGrad]) -> None:
+        super().__init__()
+        self.weights, self.pending = weights, pending
+        self.deferred: set[int] = set()  # ids of the weights routed here
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and self._deferrable(*args, **kwargs):
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            self.deferred.add(id(weight))
+            device = x.device.type
+            if torch.is_autocast_enabled(device):  # cast as autocast would, then matmul without it
+                dtype = torch.get_autocast_dtype(device)
+                with torch.autocast(device, enabled=False):
+                    return _DeferredLinear.apply(x.to(dtype), weight.detach().to(dtype), weight, self.pending)
+            return _DeferredLinear.apply(x, weight.detach(), weight, self.pending)
+        return func(*args, **kwargs)
+
+    def _deferrable(self, x, weight, bias=None) -> bool:
+        return bias is None and torch.is_grad_enabled() and weight.requires_grad and id(weight) in self.weights
+
+
+def apply_deferred_weight_grads(pending: list[PendingWeightGrad], held: dict | None = None) -> None:
+    """The weight step: every deferred dW = dy^T x, plus the gradients B `held` (id ->
+    (parameter, gradient)), accumulated into the parameters by one autograd call."""
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = dict(held or {})
+    for item in pending:
+        dy, x = item.output_grad, item.input
+        grad = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(item.weight.dtype)
+        key = id(item.weight)
+        grads[key] = (item.weight, grad + grads[key][1] if key in grads else grad)
+    if grads:
+        weights, values = zip(*grads.values())
+        torch.autograd.backward(list(weights), list(values))
+    pending.clear()
+
+
 # ---------------------------------------------------------------------------------- runner
 
 
@@ -140,7 +229,10 @@ class _Unit:
     heads: list[torch.Tensor]  # what backward starts from: the stage output or the loss, then aux
     output: torch.Tensor | None  # the stage output to send; None on the last stage
     saved_bytes: int = 0
-    output_grads: list | None = None  # kept by BACKWARD_INPUT for BACKWARD_WEIGHT
+    output_grads: list | None = None
+    pending_weight_grads: list[PendingWeightGrad] = field(default_factory=list)  # B leaves them for W
+    deferred: set[int] = field(default_factory=set)  # ids of the weights whose gradient W computes
+    held_grads: dict = field(default_factory=dict)  # id -> (parameter, gradient) computed by B for W
 
 
 @dataclass
@@ -186,6 +278,10 @@ class PipelineRunner:
         self.boundary_dtype = torch.float32  # the residual stream stays fp32 under autocast
         self.sp_factor = layout.tp if layout.sequence_parallel else 1
         self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
+        # Full recomputation replays a block's forward inside backward, where the deferring
+        # mode is not active: its saved tensors would not match, so W is then empty (B does all).
+        self.split_weight_grads = any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full"
+        self.param_ids = [{id(p) for p in params} for params in self.params]
         self.timeline = None  # a fivefold.timeline.Timeline to record the next steps
         self.measure_memory = False
         self.memory = StepMemory(0, 0)
@@ -271,7 +367,9 @@ class PipelineRunner:
             x.requires_grad_()
         device = self.model.extras.get("device", torch.device("cpu"))
         train = self.config.train
-        with self._count_saved(chunk) as saved, autocast_for(self.config, device):
+        pending: list[PendingWeightGrad] = []
+        deferral = self._deferral(action.chunk, pending, training)
+        with self._count_saved(chunk) as saved, autocast_for(self.config, device), deferral:
             out, aux = chunk(x, batch.positions, batch.documents)
             ce = self.model.loss_fn(out, batch.targets) if stage == self.last_stage else None
         if ce is not None:
@@ -289,7 +387,8 @@ class PipelineRunner:
         else:
             output = out.to(self.boundary_dtype)
             heads = [output] + aux_loss
-        st.units[key] = _Unit(x if stage > 0 else None, heads, output, saved[0])
+        st.units[key] = _Unit(x if stage > 0 else None, heads, output, saved[0], pending_weight_grads=pending,
+                              deferred=getattr(deferral, "deferred", set()))
         st.live_bytes += saved[0]
         st.peak_bytes = max(st.peak_bytes, st.live_bytes)
         st.peak_units = max(st.peak_units, len(st.units))
@@ -300,18 +399,31 @@ class PipelineRunner:
         if unit.output_grads is None:
             unit.output_grads = [st.grads.pop(key, None)] + [None] * (len(unit.heads) - 1)
         if action.kind is K.BACKWARD_INPUT:
-            if unit.input is not None:  # stage 0 has no input gradient: its W does everything
-                (grad,) = torch.autograd.grad(unit.heads, [unit.input], unit.output_grads, retain_graph=True)
-                st.input_grads[key] = grad
+            self._input_step(unit, action.chunk, st, key)
             return
-        if action.kind is K.BACKWARD_WEIGHT:
-            torch.autograd.backward(unit.heads, unit.output_grads, inputs=self.params[action.chunk])
+        if action.kind is K.BACKWARD_WEIGHT:  # B already freed the graph: only the deferred matmuls
+            apply_deferred_weight_grads(unit.pending_weight_grads, unit.held_grads)
         else:
             torch.autograd.backward(unit.heads, unit.output_grads)
             if unit.input is not None:
                 st.input_grads[key] = unit.input.grad
         del st.units[key]
         st.live_bytes -= unit.saved_bytes
+
+    def _input_step(self, unit: _Unit, chunk: int, st: _StepState, key: tuple[int, int]) -> None:
+        """B: the input gradient, and the gradients of the parameters W does not compute, held."""
+        others = [p for p in self.params[chunk] if id(p) not in unit.deferred]
+        inputs = ([unit.input] if unit.input is not None else []) + others
+        grads = torch.autograd.grad(unit.heads, inputs, unit.output_grads, allow_unused=True)
+        if unit.input is not None:
+            st.input_grads[key], grads = grads[0], grads[1:]
+        unit.held_grads = {id(p): (p, g) for p, g in zip(others, grads) if g is not None}
+        unit.heads = []  # the graph is freed; W needs only what B left behind
+
+    def _deferral(self, chunk: int, pending: list[PendingWeightGrad], training: bool):
+        if not (training and self.split_weight_grads):
+            return contextlib.nullcontext()
+        return DeferWeightGrads(self.param_ids[chunk], pending)
 
     @contextlib.contextmanager
     def _count_saved(self, chunk: Transformer) -> Iterator[list[int]]:
