@@ -73,10 +73,22 @@ class FlightRecorder:
             else:
                 record.finished = time.time()
 
+    def waited(self, record: CollectiveRecord) -> None:
+        """Someone waited on `record`'s handle and it returned: the collective is complete.
+
+        Needed beside `sweep`: gloo's async reduce-scatter handle never reports
+        `is_completed()`, not even after `wait()` returned (torch 2.13)."""
+        with self.lock:
+            if record.finished is None:
+                record.finished = time.time()
+            self.pending = [(r, works) for r, works in self.pending if r is not record]
+
     def sweep(self) -> None:
         with self.lock:
             still = []
             for record, works in self.pending:
+                if record.finished is not None:
+                    continue
                 if all(work.is_completed() for work in works):
                     record.finished = time.time()
                 else:

@@ -139,6 +139,6 @@ def test_cli_bad_input_returns_2(capsys):
     assert "unknown model" in capsys.readouterr().err
     assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=2,tp=2", "--gpus", "8"]) == 2
     assert run_plan_cli(["--model", "llama3-8b", "--gpus", "0"]) == 2
-    assert "gpus must be a positive integer, got 0" in capsys.readouterr().err
+    assert "--gpus must be at least 1, got 0" in capsys.readouterr().err
     assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=2,pp=2,zero=3", "--global-batch", "8"]) == 2
     assert "zero=3 with pp=2 is not supported" in capsys.readouterr().err

@@ -52,11 +52,30 @@ def _record(axis: Axis, op: str, buffer_bytes: int, wire_bytes: int) -> Collecti
     return axis.stats.flight.start(axis.name, axis.ranks, op, buffer_bytes)
 
 
+class _RecordedWork:
+    """An async collective's handle that also tells the flight recorder when a wait returns
+    (some gloo handles never report `is_completed()`; the recorder must not see them hang)."""
+
+    def __init__(self, work: Any, record: CollectiveRecord, axis: Axis) -> None:
+        self._work, self._record, self._axis = work, record, axis
+
+    def wait(self, *args: Any) -> Any:
+        result = self._work.wait(*args)
+        self._axis.stats.flight.waited(self._record)
+        return result
+
+    def is_completed(self) -> bool:
+        return self._record.finished is not None or self._work.is_completed()
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the handle's own
+        return getattr(self._work, name)
+
+
 def _landed(axis: Axis, record: CollectiveRecord, work: Any) -> Any:
     """Hand the collective's outcome to the flight recorder: done for a blocking call (`work`
-    is None), to be swept for async work. Returns `work`."""
+    is None), to be swept or waited for async work. Returns the handle to wait on."""
     axis.stats.flight.issued_async(record, [] if work is None else [work])
-    return work
+    return None if work is None else _RecordedWork(work, record, axis)
 
 
 # ----------------------------------------------------------------------------- plain collectives
