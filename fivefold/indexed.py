@@ -20,7 +20,7 @@ import os
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -158,35 +158,34 @@ class IndexedDataset:
         shard = bisect_right(self.doc_starts, doc) - 1
         return int(self.token_starts[shard] + self.shards[shard].ends[doc - self.doc_starts[shard]])
 
-    def read(self, start: int, count: int) -> np.ndarray:
-        """Tokens [start, start+count) of the stream as int64 (they may span shards)."""
-        out = np.empty(count, dtype=np.int64)
+    def _pieces(self, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
+        """(position in the window, shard, offset in the shard, length) of each shard's part of
+        tokens [start, start+count), in order: a window may span shards."""
         done = 0
         while done < count:
             pos = start + done
             shard = bisect_right(self.token_starts, pos) - 1
-            offset = pos - self.token_starts[shard]
             take = min(count - done, int(self.token_starts[shard + 1] - pos))
-            out[done : done + take] = self.shards[shard].tokens[offset : offset + take]
+            yield done, shard, int(pos - self.token_starts[shard]), take
             done += take
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start+count) of the stream as int64 (they may span shards)."""
+        out = np.empty(count, dtype=np.int64)
+        for done, shard, offset, take in self._pieces(start, count):
+            out[done : done + take] = self.shards[shard].tokens[offset : offset + take]
         return out
 
     def documents(self, start: int, count: int) -> np.ndarray:
         """Global document index of tokens [start, start+count): a few binary searches per window."""
         out = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            pos = start + done
-            shard = bisect_right(self.token_starts, pos) - 1
-            offset = int(pos - self.token_starts[shard])
-            take = min(count - done, int(self.token_starts[shard + 1] - pos))
+        for done, shard, offset, take in self._pieces(start, count):
             ends = self.shards[shard].ends
             first = int(np.searchsorted(ends, offset, side="right"))
             last = int(np.searchsorted(ends, offset + take - 1, side="right"))
             local = np.arange(offset, offset + take)
             doc = first + np.searchsorted(ends[first : last + 1], local, side="right")
             out[done : done + take] = doc + self.doc_starts[shard]
-            done += take
         return out
 
 

@@ -152,6 +152,23 @@ def _flight_log(ctx):
     return done, flight.oldest_in_flight()
 
 
+def _waited_reduce_scatter(ctx):
+    from fivefold.config import Layout
+    from fivefold.parallel import comm
+
+    mesh = ctx.mesh(Layout(dp=2))
+    _, work = comm.reduce_scatter(torch.ones(8), mesh.dp, async_op=True)
+    work.wait()
+    record = mesh.stats.flight.newest()
+    return record.op, record.finished is not None
+
+
+def test_a_waited_async_collective_is_finished_even_when_its_handle_never_says_so(pools):
+    """gloo's async reduce-scatter handle never reports is_completed(), not even after wait():
+    the record must still finish, or the watchdog would end every long ZeRO run."""
+    assert pools.run(2, _waited_reduce_scatter) == [("reduce_scatter", True)] * 2
+
+
 def test_flight_recorder_numbers_collectives_per_axis_and_sees_async_completion(pools):
     for done, oldest in pools.run(2, _flight_log):
         assert done == [("dp", "all_reduce", 1, 1024, True), ("dp", "all_reduce", 2, 1024, True)]
