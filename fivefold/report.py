@@ -201,11 +201,18 @@ def byte_unit(largest: float) -> tuple[str, float]:
     return "bytes", 1.0
 
 
+def logged_series(section: Section, run: RunData, key: str, missing: str) -> tuple[list[int], list[float]]:
+    """The per-step series `key`; when no step logged it, the section says so and it is empty."""
+    steps, values = series(run.records, lambda r: r[key])
+    if not steps:
+        section.notes.append(f"{missing}: nothing to draw")
+    return steps, values
+
+
 def loss_section(run: RunData) -> Section:
     section = Section("Loss")
-    steps, loss = series(run.records, lambda r: r["loss"])
+    steps, loss = logged_series(section, run, "loss", "no step has a loss yet")
     if not steps:
-        section.notes.append("no step has a loss yet: nothing to draw")
         return section
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -224,9 +231,8 @@ def loss_section(run: RunData) -> Section:
 
 def throughput_section(run: RunData) -> Section:
     section = Section("Throughput")
-    steps, tps = series(run.records, lambda r: r["tokens_per_s"])
+    steps, tps = logged_series(section, run, "tokens_per_s", "no tokens/s logged")
     if not steps:
-        section.notes.append("no tokens/s logged: nothing to draw")
         return section
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -251,9 +257,8 @@ def throughput_section(run: RunData) -> Section:
 
 def step_time_section(run: RunData) -> Section:
     section = Section("Step time")
-    steps, seconds = series(run.records, lambda r: r["step_seconds"])
+    steps, seconds = logged_series(section, run, "step_seconds", "no step time logged")
     if not steps:
-        section.notes.append("no step time logged: nothing to draw")
         return section
     measured = statistics.median(seconds[1:] or seconds)  # the first step warms up
     plt = _pyplot()
