@@ -356,6 +356,7 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.eval_batches": _at_least(1),
     "train.log_interval": _at_least(1),
     "train.device": ((lambda v: v in DEVICES), f"one of {', '.join(DEVICES)}"),
+    "train.drift_margin": _at_least(0),  # a ratio: how far measurement may drift from the prediction
     "data.val_fraction": ((lambda v: 0 < v < 0.5), "in (0, 0.5)"),
     "checkpoint.interval": _at_least(0),
     "checkpoint.keep": _at_least(1),
