@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .planner.hardware import matmul_operands, measure_matmul_flops  # noqa: F401  (one measurement, re-exported)
 from .flops import (  # noqa: F401  (the FLOP count lives in flops.py; re-exported for callers)
     active_params_per_token,
     attention_flops_per_token,
@@ -70,44 +71,6 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def matmul_operands(
-    size: int | tuple[int, int, int], dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random operands of an (m, k) @ (k, n) GEMM; an int size means m = k = n."""
-    m, k, n = (size, size, size) if isinstance(size, int) else size
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=generator).to(device=device, dtype=dtype)
-    b = torch.randn(k, n, generator=generator).to(device=device, dtype=dtype)
-    return a, b
-
-
-def measure_matmul_flops(
-    dtype: torch.dtype = torch.float32,
-    size: int | tuple[int, int, int] = 1024,
-    seconds: float = 0.25,
-    device: torch.device | str = "cpu",
-) -> float:
-    """FLOP/s of repeated (m, k) @ (k, n) GEMMs, 2 * m * k * n FLOPs each, best of short bursts.
-
-    `seconds` bounds the whole call, warm-up included (one untimed GEMM, then at least one
-    timed one). The fastest burst is reported, since on a shared machine the slow ones
-    measure other processes, not the hardware.
-    """
-    device = torch.device(device)
-    start_all = time.perf_counter()
-    a, b = matmul_operands(size, dtype, device)
-    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    out = a @ b  # warm-up: thread pool, allocator, kernel selection
-    _sync(device)
-    best = 0.0
-    while best == 0.0 or time.perf_counter() - start_all < seconds:
-        start = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        _sync(device)
-        best = max(best, flops / (time.perf_counter() - start))
-    return best
 
 
 def peak_flops_for_log(dtype: torch.dtype, device: torch.device, world_size: int) -> float:

@@ -58,6 +58,28 @@ def hardware_for(device: torch.device) -> str:
     return min(family, key=lambda p: abs(HARDWARE[p].memory_bytes - memory))
 
 
+def planner_hardware(device: torch.device, dtype: str) -> Any:
+    """What the planner costs this run on: a GPU preset; the saved CPU calibration; or, on a
+    CPU that was never calibrated, the conservative defaults with the matmul rate and the copy
+    bandwidth measured now (~0.4 s). Without them the defaults (20 GFLOP/s, 5 GB/s) predict
+    steps several times slower than current CPUs run them, and every first run warned of drift.
+    """
+    import dataclasses
+
+    from .planner.hardware import CPU_DEFAULT, load_calibration, measure_copy_bandwidth, measure_matmul_flops
+
+    name = hardware_for(device)
+    if name != "cpu":
+        return name
+    calibrated = load_calibration()
+    if calibrated is not None:
+        return calibrated
+    rate = measure_matmul_flops("bfloat16" if dtype == "bf16" else "float32", size=512, seconds=0.2)
+    return dataclasses.replace(CPU_DEFAULT, name="cpu (matmul and copy rates measured at start; "
+                               "`fivefold plan --calibrate` measures the rest)",
+                               peak_flops=rate, peak_flops_fp32=rate, hbm_bw=measure_copy_bandwidth(16, 0.2))
+
+
 def predict_run(config: Config, device: torch.device) -> dict[str, Any]:
     """The planner's estimate of one step of `config` (already validated), as plain JSON values.
 
@@ -68,7 +90,7 @@ def predict_run(config: Config, device: torch.device) -> dict[str, Any]:
     from .planner.bridge import layout_spec, model_spec
 
     layout, train = config.layout, config.train
-    hardware = hardware_for(device)
+    hardware = planner_hardware(device, train.dtype)
     try:
         spec = layout_spec(layout, train.global_batch)  # pp_layers included: the split the run builds
         precision = "bf16" if train.dtype == "bf16" else "fp32"
@@ -121,7 +143,7 @@ def drift_warnings(prediction: dict[str, Any], records: list[dict[str, Any]], ma
     if _ratio_off(measured_time, prediction["step_time_s"], margin):
         hint = (" (the planner's CPU numbers come from `fivefold plan --calibrate --model llama3-8b` once saved, "
                 "conservative defaults before; other processes on the machine slow steps down)"
-                if prediction.get("hardware") == "cpu" else "")
+                if prediction.get("hardware", "").startswith("cpu") else "")
         out.append(f"step time {measured_time:.3g} s measured vs {prediction['step_time_s']:.3g} s predicted{hint}")
     held = records[0].get("held_bytes")
     if held:

@@ -111,6 +111,24 @@ def test_drift_warnings_name_what_is_off_by_more_than_the_margin():
     assert drift_warnings({"error": "no layout"}, records, 0.25) == []
 
 
+def test_an_uncalibrated_cpu_is_planned_with_rates_measured_at_start(tmp_path, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    from fivefold.planner.hardware import CPU_DEFAULT, save_calibration
+    from fivefold.prediction import planner_hardware
+
+    monkeypatch.setenv("FIVEFOLD_CACHE_DIR", str(tmp_path))
+    measured = planner_hardware(torch.device("cpu"), "fp32")
+    assert measured.name.startswith("cpu (") and measured.peak_flops_fp32 == measured.peak_flops > 0
+    assert measured.peak_flops != CPU_DEFAULT.peak_flops and measured.hbm_bw != CPU_DEFAULT.hbm_bw
+    assert measured.intra_node_bw == CPU_DEFAULT.intra_node_bw  # not measured at start: the calibration's job
+    calibrated = dataclasses.replace(CPU_DEFAULT, peak_flops=1.5e11, peak_flops_fp32=1.0e11)
+    save_calibration(calibrated)
+    assert planner_hardware(torch.device("cpu"), "fp32") == calibrated  # a saved calibration wins
+
+
 def test_tensorboard_tags_flatten_nested_metrics():
     record = {"step": 4, "loss": 2.0, "peak_memory_bytes": [10, 20], "comm_bytes": {"ep": 8},
               "moe": {"layer1": {"imbalance": 1.5, "tokens_per_expert": [3, 5]}}, "trace": True}

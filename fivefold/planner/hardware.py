@@ -192,36 +192,66 @@ def hardware_for_gpu(device_name: str, memory_bytes: int | None = None) -> Hardw
 # ---- calibration ---------------------------------------------------------------------
 
 
-def measure_matmul_flops(dtype: str = "float32", size: int = 1024, seconds: float = 0.5) -> float:
-    """Sustained FLOP/s of square ``size`` matmuls with torch on this machine."""
+def _synchronize(device) -> None:
     import torch
 
-    dt = getattr(torch, dtype)
-    a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
-    torch.mm(a, b)  # warm-up
-    n, start = 0, time.perf_counter()
-    while True:
-        torch.mm(a, b)
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2.0 * size**3 * n / elapsed
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_operands(size: int | tuple[int, int, int], dtype, device="cpu"):
+    """Random operands of an (m, k) @ (k, n) GEMM; an int size means m = k = n."""
+    import torch
+
+    m, k, n = (size, size, size) if isinstance(size, int) else size
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(k, n, generator=generator).to(device=device, dtype=dtype)
+    return a, b
+
+
+def measure_matmul_flops(dtype="float32", size: int | tuple[int, int, int] = 1024, seconds: float = 0.25,
+                         device="cpu") -> float:
+    """FLOP/s of repeated (m, k) @ (k, n) GEMMs, 2 * m * k * n FLOPs each, best of short bursts.
+
+    `dtype` is a torch dtype or its name. `seconds` bounds the whole call, warm-up included
+    (one untimed GEMM, then at least one timed one). The fastest burst is reported, since on
+    a shared machine the slow ones measure other processes, not the hardware. The planner's
+    calibration and the training log's MFU both use this one measurement.
+    """
+    import torch
+
+    device = torch.device(device)
+    start_all = time.perf_counter()
+    a, b = matmul_operands(size, dtype, device)
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    out = a @ b  # warm-up: thread pool, allocator, kernel selection
+    _synchronize(device)
+    best = 0.0
+    while best == 0.0 or time.perf_counter() - start_all < seconds:
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        _synchronize(device)
+        best = max(best, flops / (time.perf_counter() - start))
+    return best
 
 
 def measure_copy_bandwidth(mib: int = 64, seconds: float = 0.3) -> float:
-    """Memory bandwidth (bytes/s, read + write) of a large tensor copy."""
+    """Memory bandwidth (bytes/s, read + write) of a large tensor copy, best of repeated copies
+    (as for the matmul rate: on a shared machine the slow ones measure other processes)."""
     import torch
 
     src = torch.ones(mib * (1 << 20) // 4)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    n, start = 0, time.perf_counter()
-    while True:
+    start_all = time.perf_counter()
+    dst.copy_(src)  # warm-up: page faults of the destination
+    best = 0.0
+    while best == 0.0 or time.perf_counter() - start_all < seconds:
+        start = time.perf_counter()
         dst.copy_(src)
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2.0 * src.numel() * 4 * n / elapsed
+        best = max(best, 2.0 * src.numel() * 4 / (time.perf_counter() - start))
+    return best
 
 
 def _allreduce_worker(rank: int, init_file: str, nbytes: int, iters: int, queue) -> None:
