@@ -60,7 +60,8 @@ def dtensor_plan(model, sequence_parallel: bool) -> dict:
         if sequence_parallel:
             plan.update({
                 p + "attn_norm": SequenceParallel(), p + "mlp_norm": SequenceParallel(),
-                p + "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                p + "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),  # (x, rope, documents)
+                                             desired_input_layouts=(Replicate(), None, None)),
                 p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
     return plan
