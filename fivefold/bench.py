@@ -225,23 +225,89 @@ def run_suite(out_dir: Path, only: list[str]) -> dict[str, list[dict] | str]:
     return outcomes
 
 
-def suite_markdown(outcomes: dict[str, list[dict] | str]) -> str:
-    """One table per comparison: median step, ratio to the comparison's baseline, peak RSS."""
-    lines = ["# fivefold benchmarks", "",
-             "Ratios are medians of per-round time(case) / time(baseline) within one run; "
-             "below 1 means faster than the baseline. Peak RSS is the largest over ranks.", ""]
+# The comparisons the summary states as "peer time / fivefold time": (benchmark, fivefold
+# case, other case, what the row means). A row appears when one comparison of that benchmark
+# ran both cases side by side; the other case is a peer, or a fivefold case the first is
+# held against (ZeRO against plain data parallel, zero-bubble against 1F1B).
+HEADLINE = (
+    ("single", "fivefold", "transformers", "single process vs transformers LlamaForCausalLM"),
+    ("single", "fivefold compiled", "transformers", "single process, train.compile=true, vs transformers eager"),
+    ("dp", "fivefold-dp", "torch-ddp", "dp=2 vs torch DDP"),
+    ("dp", "fivefold-zero1", "torch-zero1", "ZeRO-1 vs torch ZeroRedundancyOptimizer + DDP"),
+    ("dp", "fivefold-zero1", "deepspeed-zero1", "ZeRO-1 vs DeepSpeed ZeRO-1"),
+    ("dp", "fivefold-zero2", "deepspeed-zero2", "ZeRO-2 vs DeepSpeed ZeRO-2"),
+    ("dp", "fivefold-zero3", "torch-fsdp2", "ZeRO-3 vs torch FSDP2 fully_shard"),
+    ("dp", "fivefold-zero3", "deepspeed-zero3", "ZeRO-3 vs DeepSpeed ZeRO-3"),
+    ("dp", "fivefold-zero2", "fivefold-dp", "ZeRO-2 vs fivefold dp (1.00 = no cost for sharding)"),
+    ("dp", "fivefold-zero3", "fivefold-dp", "ZeRO-3 vs fivefold dp (1.00 = no cost for sharding)"),
+    ("tp", "fivefold", "dtensor", "tp=2 vs DTensor parallelize_module"),
+    ("pp", "fivefold gpipe", "torch gpipe", "pp=2 GPipe vs torch.distributed.pipelining"),
+    ("pp", "fivefold 1f1b", "torch 1f1b", "pp=2 1F1B vs torch.distributed.pipelining"),
+    ("pp", "fivefold interleaved", "torch interleaved", "pp=2 interleaved vs torch.distributed.pipelining"),
+    ("pp", "fivefold zb-h1", "fivefold 1f1b", "pp=2 zero-bubble (zb-h1) vs fivefold 1F1B"),
+    ("ep", "fivefold-grouped", "deepspeed", "MoE layer, ep=2, vs DeepSpeed MoE"),
+)
+
+
+def per_round_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of numerator / denominator, both timed in the same round."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def headline_rows(outcomes: dict[str, list[dict] | str]) -> list[tuple[str, str, float, float]]:
+    """(row, comparison title, time ratio other/fivefold, peak RSS ratio other/fivefold) for
+    every HEADLINE pair that some comparison measured side by side."""
+    rows = []
+    for bench_name, ours, other, label in HEADLINE:
+        result = outcomes.get(bench_name)
+        for comparison in result if isinstance(result, list) else []:
+            cases = comparison["cases"]
+            if ours in cases and other in cases:
+                ratio = per_round_ratio(cases[other]["seconds"], cases[ours]["seconds"])
+                memory = cases[other]["peak_rss_mb"] / max(cases[ours]["peak_rss_mb"], 1e-9)
+                rows.append((label, comparison["title"], ratio, memory))
+    return rows
+
+
+def suite_markdown(outcomes: dict[str, list[dict] | str], meta: dict | None = None) -> str:
+    """The summary (peer / fivefold per pair), then one table per comparison."""
+    lines = ["# fivefold benchmarks", ""]
+    if meta:
+        lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+    lines += ["## Summary", "",
+              "Time ratio = median over rounds of (other case's step time / fivefold's), both timed in the same "
+              "round: above 1 means fivefold is faster. Memory ratio = other's peak RSS / fivefold's (largest "
+              "over ranks): above 1 means fivefold holds less.", "",
+              "| comparison | measured in | time ratio | memory ratio |", "|---|---|---|---|"]
+    lines += [f"| {label} | {title} | {ratio:.3f} | {memory:.2f} |"
+              for label, title, ratio, memory in headline_rows(outcomes)]
+    lines += ["", "## Every comparison", "",
+              "Ratios below are medians of per-round time(case) / time(baseline); below 1 means faster than "
+              "the baseline.", ""]
     for name, result in outcomes.items():
         if isinstance(result, str):
-            lines += [f"## {name}", "", f"did not finish: {result}", ""]
+            lines += [f"### {name}", "", f"did not finish: {result}", ""]
             continue
         for comparison in result:
-            lines += [f"## {name}: {comparison['title']}", "",
+            lines += [f"### {name}: {comparison['title']}", "",
                       f"| case | median s | ratio vs {comparison['baseline']} | peak RSS MB |", "|---|---|---|---|"]
             for case, values in comparison["cases"].items():
                 lines.append(f"| {case} | {values['median_s']:.4f} | {comparison['ratios'][case]:.3f} "
                              f"| {values['peak_rss_mb']:.0f} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def machine_note() -> dict[str, str]:
+    """What the numbers were measured on: CPU, cores, load average at the end, torch."""
+    import os
+
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"machine": platform.processor() or platform.machine(), "cores": str(os.cpu_count()),
+            "load average (1/5/15 min) at the end": "/".join(f"{x:.1f}" for x in load),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def run_bench_all(argv: list[str]) -> int:
@@ -260,7 +326,7 @@ def run_bench_all(argv: list[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     outcomes = run_suite(out_dir, only)
     (out_dir / "all.json").write_text(json.dumps(outcomes, indent=2))
-    (out_dir / "all.md").write_text(suite_markdown(outcomes))
+    (out_dir / "all.md").write_text(suite_markdown(outcomes, machine_note()))
     print(f"wrote {out_dir / 'all.md'} and {out_dir / 'all.json'}")
     return 0 if all(not isinstance(r, str) for r in outcomes.values()) else 1
 
