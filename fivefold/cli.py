@@ -73,11 +73,10 @@ def launch_training(config: Config, args: argparse.Namespace, argv: list[str], r
     """Check the run folder and the data here, then start the layout's local ranks as a job that
     fivefold.launch supervises (restarts with --resume, collective watchdog, signals), every rank
     and every attempt writing to that folder. Returns the job's exit status."""
-    from .launch import Job, check_fault_settings, run_job
+    from .launch import Job, run_job
     from .loader import check_data_source
     from .rundir import claim
 
-    check_fault_settings(config.train)
     claim(run_dir, config.checkpoint.resume, args.overwrite).release()  # refuse before spawning
     check_data_source(config)  # a missing or bad data file is reported before any process starts
     if args.layout == "auto":

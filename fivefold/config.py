@@ -356,7 +356,10 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.eval_batches": _at_least(1),
     "train.log_interval": _at_least(1),
     "train.device": ((lambda v: v in DEVICES), f"one of {', '.join(DEVICES)}"),
-    "train.drift_margin": _at_least(0),  # a ratio: how far measurement may drift from the prediction
+    "train.drift_margin": _at_least(0),
+    "train.max_restarts": _at_least(0),  # restarts after a failed rank
+    "train.collective_timeout_s": _positive(),  # seconds a collective may wait before the watchdog stops the job
+    "train.stop_grace_s": _at_least(0),  # seconds ranks get to checkpoint after SIGINT/SIGTERM  # a ratio: how far measurement may drift from the prediction
     "data.val_fraction": ((lambda v: 0 < v < 0.5), "in (0, 0.5)"),
     "checkpoint.interval": _at_least(0),
     "checkpoint.keep": _at_least(1),

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import shutil
 import signal
@@ -41,7 +40,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
-from .config import ConfigError, TrainConfig
 from .parallel.comm import COLLECTIVE_TIMEOUT_EXIT, FLIGHT_DIR_ENV, PEER_LOST_EXIT, flight_record_path
 
 POLL_S = 0.05
@@ -60,18 +58,6 @@ class Job:
     stop_grace_s: float = 30.0
     flight_dir: Path = Path("flight_records")  # attempt k writes its ranks' records to flight_dir/attempt_k
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the ranks
-
-
-def check_fault_settings(train: TrainConfig) -> None:
-    """Reject restart, timeout and grace settings that cannot work, before any process starts."""
-    if train.max_restarts < 0:
-        raise ConfigError(f"train.max_restarts must be 0 or more (restarts after a failed rank), got {train.max_restarts}")
-    if not train.collective_timeout_s > 0 or math.isinf(train.collective_timeout_s):
-        raise ConfigError(
-            f"train.collective_timeout_s must be a positive number of seconds, got {train.collective_timeout_s}"
-        )
-    if not train.stop_grace_s >= 0 or math.isinf(train.stop_grace_s):
-        raise ConfigError(f"train.stop_grace_s must be 0 or more seconds, got {train.stop_grace_s}")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import Config
-from .launch import Job, check_fault_settings, run_job
+from .launch import Job, run_job
 from .layout import config_from_args, validate
 from .mesh import Mesh
 from .parity import compare, reference_config, train_trace
@@ -82,7 +82,6 @@ def check_layout(config: Config, mesh: Mesh, steps: int, ref_path: Path) -> int:
 def run_parity_cli(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = validate(config_from_args(args.config, args.layout, overrides))
-    check_fault_settings(config.train)
     world = config.layout.world_size
     with tempfile.TemporaryDirectory() as tmp:
         ref_path = Path(tmp) / "reference.pt"
