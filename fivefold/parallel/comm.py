@@ -287,13 +287,18 @@ class _ReduceFromAxis(torch.autograd.Function):
         return grad, None
 
 
+def _own_shard(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """This rank's shard of `x`: part `axis.rank` of `axis.size` equal splits along `dim`."""
+    return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+
+
 class _SplitToAxis(torch.autograd.Function):
-    """Forward: keep this rank's chunk along dim. Backward: all-gather the gradient."""
+    """Forward: keep this rank's shard along dim. Backward: all-gather the gradient."""
 
     @staticmethod
     def forward(ctx, x, axis, dim):
         ctx.axis, ctx.dim = axis, dim
-        return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+        return _own_shard(x, axis, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -301,7 +306,7 @@ class _SplitToAxis(torch.autograd.Function):
 
 
 class _GatherFromAxis(torch.autograd.Function):
-    """Forward: all-gather along dim. Backward: keep this rank's chunk of the gradient."""
+    """Forward: all-gather along dim. Backward: keep this rank's shard of the gradient."""
 
     @staticmethod
     def forward(ctx, x, axis, dim):
@@ -310,7 +315,7 @@ class _GatherFromAxis(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(ctx.axis.size, dim=ctx.dim)[ctx.axis.rank].contiguous(), None, None
+        return _own_shard(grad, ctx.axis, ctx.dim), None, None
 
 
 class _AllGatherReduceScatter(torch.autograd.Function):
