@@ -45,6 +45,9 @@ LAYERS: dict[str, int] = {
     "fivefold.train": LOOP,
     "fivefold.metrics": LOOP,  # FLOPs, MFU and the per-step measurements the loop logs
     "fivefold.prediction": LOOP,  # the planner's prediction for the run, beside its measurements
+    # A run's checkpoints (regions, state, format, reader, resume, convert): the run layer,
+    # which the tools use; a strategy never imports it.
+    "fivefold.checkpoint": TOOLS,
     "fivefold.cli": CLI,
 }
 

@@ -82,7 +82,7 @@ def _random_partition(shape: tuple[int, ...], rng: random.Random) -> list[ShardS
 
 
 def _grid(shape: tuple[int, ...], counts: list[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Uneven chunks: every dim cut into `counts[d]` contiguous pieces."""
+    """Uneven boxes: every dim cut into `counts[d]` contiguous pieces."""
     per_dim = []
     for n, c in zip(shape, counts):
         edges = [round(i * n / c) for i in range(c + 1)]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from unittest import mock
+
 import torch
 
 from fivefold.config import Layout
@@ -52,6 +56,78 @@ def test_collectives_values_and_bytes(pools):
     assert wire[("tp", "all_to_all")] == 3 * 2 * f  # rank 0 sends 3 rows of 2 to rank 1
     assert torch.equal(results[0][3], torch.tensor([[0.0, 1.0], [10.0, 11.0]]))
     assert results[1][3].shape == (6, 2)
+
+
+def _allocations_of_all_gather(ctx) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """Per dim: how many buffers all_gather allocates (torch.empty calls), and the output shape."""
+    from fivefold.parallel import comm
+
+    tp = ctx.mesh(Layout(tp=2)).tp
+    x = torch.ones(2, 3)
+    counts = {}
+    for dim in (0, 1):
+        with mock.patch.object(torch, "empty", wraps=torch.empty) as empty:
+            out = comm.all_gather(x, tp, dim=dim)
+        counts[dim] = (empty.call_count, tuple(out.shape))
+    return counts
+
+
+def test_all_gather_allocates_its_output_once(pools):
+    counts = pools.run(2, _allocations_of_all_gather)[0]
+    assert counts == {0: (1, (4, 3)), 1: (1, (2, 6))}
+
+
+def _wait_for_file(path: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"rank 0 did not return from the async call {path.name} within {seconds} s"
+        time.sleep(0.01)
+
+
+def _async_collectives(ctx, signal_dir: str) -> dict[str, list[torch.Tensor]]:
+    """Each async call along dim 1 and each async average, issued by rank 0 before rank 1 joins.
+
+    Rank 1 enters each collective only after rank 0 returned from issuing it, so a call that
+    waited inside for the collective could never return. Returns the results after one wait
+    and after a second (which must change nothing: an average is divided once).
+    """
+    from fivefold.parallel import comm
+
+    tp = ctx.mesh(Layout(tp=2)).tp
+    x = torch.arange(12.0).reshape(2, 6) * (ctx.rank + 1)
+    reduced = x.clone()
+    calls = {  # name: issue the call, returning (the result tensor, the handle)
+        "all_gather": lambda: comm.all_gather(x, tp, dim=1, async_op=True),
+        "reduce_scatter_avg": lambda: comm.reduce_scatter(x, tp, dim=1, op="avg", async_op=True),
+        "all_reduce_avg": lambda: (reduced, comm.all_reduce(reduced, tp, op="avg", async_op=True)),
+    }
+    results = {}
+    for name, issue in calls.items():
+        returned = Path(signal_dir) / name
+        if ctx.rank == 1:
+            _wait_for_file(returned, 30.0)
+        out, work = issue()
+        if ctx.rank == 0:
+            returned.touch()
+        work.wait()
+        once = out.clone()
+        work.wait()
+        results[name] = [once, out.clone()]
+    return results
+
+
+def test_async_collectives_return_before_the_collective_completes(pools, tmp_path):
+    """async_op=True never waits inside, also along dim 1 and for averages; one wait finishes."""
+    base = torch.arange(12.0).reshape(2, 6)
+    for rank, results in enumerate(pools.run(2, _async_collectives, str(tmp_path))):
+        expected = {
+            "all_gather": torch.cat([base, 2 * base], dim=1),
+            "reduce_scatter_avg": (1.5 * base)[:, 3 * rank : 3 * rank + 3],
+            "all_reduce_avg": 1.5 * base,
+        }
+        for name, (once, twice) in results.items():
+            assert torch.equal(once, expected[name]), (rank, name, once)
+            assert torch.equal(twice, expected[name]), (rank, name, "a second wait changed the result")
 
 
 def _autograd_pairs(ctx):

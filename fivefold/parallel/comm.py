@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,11 @@ def _landed(axis: Axis, record: CollectiveRecord, work: Any) -> Any:
 
 
 def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool = False):
-    """In-place all-reduce; op is "sum", "avg" (sum then divide) or "max"."""
+    """In-place all-reduce; op is "sum", "avg" (sum then divide) or "max".
+
+    With `async_op` returns the handle (None on an axis of size 1): `tensor` holds the result
+    once it is waited on (for "avg" the division runs in that wait).
+    """
     if axis.size == 1:
         return None
     n = axis.size
@@ -91,39 +95,52 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool
     work = _landed(axis, record, dist.all_reduce(tensor, op=reduce_op, group=axis.group, async_op=async_op))
     if op == "avg":
         if async_op:
-            return _DivideOnWait(work, tensor, n)
+            return _FinishOnWait(work, lambda: tensor.div_(n))
         tensor.div_(n)
     return work
 
 
-class _DivideOnWait:
-    """An async all-reduce handle that turns the sum into a mean when waited on."""
+class _FinishOnWait:
+    """An async handle whose result needs one local step after the collective (a division
+    for an average): the step runs once, in the first wait, so issuing never blocks.
 
-    def __init__(self, work, tensor: torch.Tensor, n: int) -> None:
-        self.work, self.tensor, self.n = work, tensor, n
+    Later waits return at once: gloo's reduce-scatter handle copies its result into the
+    output again on every wait, which would overwrite the finished (divided) values.
+    """
 
-    def wait(self) -> None:
-        self.work.wait()
-        self.tensor.div_(self.n)
+    def __init__(self, work: Any, finish: Callable[[], object]) -> None:
+        self._work, self._finish, self._finished = work, finish, False
+
+    def wait(self, *args: Any) -> bool:
+        if not self._finished:
+            self._work.wait(*args)
+            self._finish()
+            self._finished = True
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the result is usable: after a wait (the local step runs there)."""
+        return self._finished
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the handle's own
+        return getattr(self._work, name)
 
 
 def all_gather(tensor: torch.Tensor, axis: Axis, dim: int = 0, async_op: bool = False):
-    """Concatenate every rank's `tensor` along `dim`. Returns the output (and work if async)."""
+    """Concatenate every rank's `tensor` along `dim`. Returns the output, or (output, handle)
+    with `async_op`: the output is filled once the handle is waited on (handle None on an
+    axis of size 1), for any `dim`.
+    """
     if axis.size == 1:
         return (tensor, None) if async_op else tensor
     n = axis.size
-    local = tensor.contiguous()
-    out = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-    if dim != 0:
-        local = local.movedim(dim, 0).contiguous()
-        out = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-    record = _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
-    work = _landed(axis, record, dist.all_gather_single(out, local, group=axis.group, async_op=async_op))
-    if dim != 0:
-        if async_op:
-            work.wait()
-            work = None
-        out = out.movedim(0, dim)
+    # The collective concatenates along dim 0: gather with `dim` moved to the front, into
+    # one buffer whose view with `dim` moved back is the result (no copy after the gather).
+    local = tensor.movedim(dim, 0).contiguous()
+    gathered = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+    record = _record(axis, "all_gather", _nbytes(gathered), (n - 1) * _nbytes(local))
+    work = _landed(axis, record, dist.all_gather_single(gathered, local, group=axis.group, async_op=async_op))
+    out = gathered.movedim(0, dim)
     return (out, work) if async_op else out
 
 
@@ -144,26 +161,28 @@ def all_gather_into(out: torch.Tensor, local: torch.Tensor, axis: Axis, async_op
 
 
 def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "sum", async_op: bool = False):
-    """Sum (or average) `tensor` over the axis and keep this rank's 1/n slice along `dim`."""
+    """Sum (or average) `tensor` over the axis and keep this rank's 1/n shard along `dim`.
+
+    Returns the shard, or (shard, handle) with `async_op`: the shard holds the result once the
+    handle is waited on (for "avg" the division runs in that wait; handle None on an axis of
+    size 1), for any `dim`.
+    """
     if axis.size == 1:
         return (tensor, None) if async_op else tensor
     n = axis.size
-    full = tensor if dim == 0 else tensor.movedim(dim, 0)
-    full = full.contiguous()
+    full = tensor.movedim(dim, 0).contiguous()
     if full.shape[0] % n:
         raise ValueError(f"reduce_scatter on axis {axis.name}: dim size {full.shape[0]} not divisible by {n}")
-    out = torch.empty((full.shape[0] // n,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
-    record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
+    shard = torch.empty((full.shape[0] // n,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
+    record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(shard))
     work = _landed(
-        axis, record, dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
+        axis, record, dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
     )
-    if async_op and (op == "avg" or dim != 0):
-        work.wait()
-        work = None
+    out = shard.movedim(0, dim)  # a view: filled by the collective, whenever it lands
     if op == "avg":
-        out.div_(n)
-    if dim != 0:
-        out = out.movedim(0, dim)
+        if async_op:
+            return out, _FinishOnWait(work, lambda: shard.div_(n))
+        shard.div_(n)
     return (out, work) if async_op else out
 
 
@@ -268,13 +287,18 @@ class _ReduceFromAxis(torch.autograd.Function):
         return grad, None
 
 
+def _own_shard(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    """This rank's shard of `x`: part `axis.rank` of `axis.size` equal splits along `dim`."""
+    return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+
+
 class _SplitToAxis(torch.autograd.Function):
-    """Forward: keep this rank's chunk along dim. Backward: all-gather the gradient."""
+    """Forward: keep this rank's shard along dim. Backward: all-gather the gradient."""
 
     @staticmethod
     def forward(ctx, x, axis, dim):
         ctx.axis, ctx.dim = axis, dim
-        return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+        return _own_shard(x, axis, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -282,7 +306,7 @@ class _SplitToAxis(torch.autograd.Function):
 
 
 class _GatherFromAxis(torch.autograd.Function):
-    """Forward: all-gather along dim. Backward: keep this rank's chunk of the gradient."""
+    """Forward: all-gather along dim. Backward: keep this rank's shard of the gradient."""
 
     @staticmethod
     def forward(ctx, x, axis, dim):
@@ -291,7 +315,7 @@ class _GatherFromAxis(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(ctx.axis.size, dim=ctx.dim)[ctx.axis.rank].contiguous(), None, None
+        return _own_shard(grad, ctx.axis, ctx.dim), None, None
 
 
 class _AllGatherReduceScatter(torch.autograd.Function):
