@@ -104,8 +104,8 @@ def hf_optimizer(hf: torch.nn.Module, config: Config) -> torch.optim.AdamW:
     t = config.train
     named = list(hf.named_parameters())
     groups = [
-        {"params": [p for n, p in named if decays(n, p.dim())], "weight_decay": t.weight_decay},
-        {"params": [p for n, p in named if not decays(n, p.dim())], "weight_decay": 0.0},
+        {"params": [p for _, p in named if decays(p.dim())], "weight_decay": t.weight_decay},
+        {"params": [p for _, p in named if not decays(p.dim())], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 

@@ -96,8 +96,8 @@ class DTensorTrainer:
         parallelize_module(self.model, mesh, dtensor_plan(self.model, sequence_parallel))
         named = list(self.model.named_parameters())
         groups = [
-            {"params": [p for n, p in named if decays(n, p.dim())], "weight_decay": config.train.weight_decay},
-            {"params": [p for n, p in named if not decays(n, p.dim())], "weight_decay": 0.0},
+            {"params": [p for _, p in named if decays(p.dim())], "weight_decay": config.train.weight_decay},
+            {"params": [p for _, p in named if not decays(p.dim())], "weight_decay": 0.0},
         ]
         t = config.train
         self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)

@@ -102,10 +102,7 @@ def gather_stream(model: ParallelModel, rec: Recording, names: list[str], batche
 
 def gather_gradients(model: ParallelModel) -> dict[str, torch.Tensor]:
     """Full gradients of every parameter after the step's reduction (before clipping)."""
-    gather = getattr(model.optimizer, "full_gradients", None)
-    if gather is not None:  # optimizers that keep gradients sharded provide them
-        return gather(model.chunks, full_shapes(model.config.model))
-    return gather_full_state(model.chunks, model.mesh, full_shapes(model.config.model), values="grad")
+    return gather_full_state(list(model.chunks), model.mesh, full_shapes(model.config.model), values="grad")
 
 
 @dataclass
@@ -165,7 +162,7 @@ def probe_first_step(model: ParallelModel, sampler) -> tuple[dict[str, torch.Ten
         if model.runner is not None:
             model.runner.run(batches)
         else:
-            forward_backward(model, batches, model.extras.get("device", torch.device("cpu")))
+            forward_backward(model, batches, model.device)
     model.optimizer.finish_grad_sync()
     return gather_stream(model, rec, names, batches), gather_gradients(model)
 

@@ -37,6 +37,7 @@ from typing import Any, Mapping
 import torch
 
 from .config import ModelConfig
+from .model.moe import EXPERT_BIAS
 
 SUPPORTED_TYPES = ("llama", "mixtral")
 
@@ -207,7 +208,7 @@ def _experts_from_hf(hf: Mapping[str, torch.Tensor], i: int, config: ModelConfig
     """Router and stacked experts of layer i, from either Mixtral naming."""
     ours, p = f"layers.{i}.mlp.", f"model.layers.{i}."
     E, f = config.num_experts, config.expert_ffn
-    out = {ours + "router.expert_bias": torch.zeros(E)}
+    out = {ours + f"router.{EXPERT_BIAS}": torch.zeros(E)}
     if p + "mlp.experts.gate_up_proj" in hf:  # transformers >= 5 module names
         out[ours + "router.gate.weight"] = _need(hf, p + "mlp.gate.weight")
         gate_up = hf[p + "mlp.experts.gate_up_proj"]  # (E, 2f, h)

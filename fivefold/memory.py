@@ -11,7 +11,7 @@ policy (fivefold.precision): 4 + 4 + 8 in fp32 (and under bf16 autocast over fp3
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,8 @@ FP32 = PrecisionPolicy()
 
 
 class HoldsTensors(Protocol):
+    """What memory accounting asks of an optimizer (every TrainingOptimizer is one)."""
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]: ...
 
     def padding_bytes(self) -> dict[str, int]: ...
@@ -44,7 +46,7 @@ class HeldMemory:
         return {k: getattr(self, k) - self.padding.get(k, 0) for k in ("params", "grads", "optimizer")}
 
 
-def _storage_bytes(tensors: list[torch.Tensor | None], seen: set[int]) -> int:
+def _storage_bytes(tensors: Sequence[torch.Tensor | None], seen: set[int]) -> int:
     total = 0
     for t in tensors:
         if t is None:
@@ -58,16 +60,16 @@ def _storage_bytes(tensors: list[torch.Tensor | None], seen: set[int]) -> int:
     return total
 
 
-def held_memory(chunks: list[nn.Module], optimizer: object) -> HeldMemory:
+def held_memory(chunks: Sequence[nn.Module], optimizer: HoldsTensors) -> HeldMemory:
     """Parameters, gradients and optimizer state this rank holds right now, by storage."""
     params = [p for chunk in chunks for p in chunk.parameters()]
-    own = optimizer.held_tensors() if hasattr(optimizer, "held_tensors") else {}
+    own = optimizer.held_tensors()
     seen: set[int] = set()
-    param_bytes = _storage_bytes(params + own.get("params", []), seen)
-    grad_bytes = _storage_bytes([p.grad for p in params] + own.get("grads", []), seen)
+    param_bytes = _storage_bytes([*params, *own.get("params", [])], seen)
+    grad_bytes = _storage_bytes([*(p.grad for p in params), *own.get("grads", [])], seen)
     state = own.get("optimizer")
     optimizer_bytes = _storage_bytes(state or [], seen)  # moments and any separate fp32 master weights
-    padding = optimizer.padding_bytes() if hasattr(optimizer, "padding_bytes") else {}
+    padding = optimizer.padding_bytes()
     return HeldMemory(param_bytes, grad_bytes, optimizer_bytes, padding)
 
 

@@ -1,18 +1,22 @@
 """The one place that knows the order in which strategies are applied.
 
-TP/SP -> EP -> CP -> activation recomputation -> PP split -> DP/ZeRO per stage.
+PP split -> per chunk: TP/SP -> EP -> CP -> activation recomputation -> (compilation) ->
+materialisation; then DP/ZeRO over all of the rank's chunks, the gradient finalizers, the
+pipeline runner.
 
-The model is built on the meta device (the pipeline split decides which layers this rank
-builds), every strategy swaps modules or installs hooks from outside, then the weights are
-materialised: each rank computes its slice of the deterministic initial values, so every
-layout starts from the single-process model's weights.
+The pipeline split comes first: it decides which layers this rank builds, on the meta
+device. Every strategy then swaps modules or installs hooks from outside and returns the
+gradient finalizers it needs; then the weights are materialised: each rank computes its
+slice of the deterministic initial values, so every layout starts from the single-process
+model's weights. The optimizer (data parallel or ZeRO over dp x cp) is built over the
+materialised chunks, and every finalizer (the strategies', the pipeline's tied embedding) is
+registered with it here, nowhere else.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -20,9 +24,14 @@ import torch.nn as nn
 from .config import Config
 from .mesh import Mesh
 from .model import Transformer
-from .parallel.optim import AdamWSettings, ReplicatedAdamW, TrainingOptimizer
+from .model.llama import Block
+from .parallel.optim import AdamWSettings, ReplicatedAdamW
+from .parallel.protocols import GradFinalizer, TrainingOptimizer
 from .parallel.sharding import materialize
 from .step import MicroBatch, cross_entropy_sum, whole_sequence
+
+if TYPE_CHECKING:
+    from .parallel.pipeline import PipelineRunner
 
 
 @dataclass
@@ -35,8 +44,22 @@ class ParallelModel:
     optimizer: TrainingOptimizer
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     shard_sequence: Callable[[torch.Tensor, torch.Tensor], MicroBatch] = whole_sequence
-    runner: object | None = None  # a pipeline runner when pp > 1
-    extras: dict = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")  # where this rank's tensors live
+    aux_owner: bool = True  # whether this rank reports its MoE auxiliary loss (one of the cp ranks holding it)
+    runner: PipelineRunner | None = None  # runs the pipeline schedule when pp > 1
+    data_position: Callable[[int], dict[str, Any]] | None = None  # where the data stands at a step (run.py)
+
+    @property
+    def extras(self) -> Mapping[str, Any]:
+        """Read-only view of `device` and `data_position` under their former dict keys.
+
+        Only for modules not yet reading the fields (checkpoint.py, parallel/pipeline.py);
+        nothing new may use it.
+        """
+        view: dict[str, Any] = {"device": self.device}
+        if self.data_position is not None:
+            view["data_position"] = self.data_position
+        return view
 
     @property
     def is_last_stage(self) -> bool:
@@ -53,9 +76,8 @@ class ParallelModel:
         """Every parameter of the whole model as full tensors, on every rank (small models)."""
         from .parallel.sharding import full_shapes, gather_full_state
 
-        gathered = getattr(self.optimizer, "gathered", contextlib.nullcontext)  # ZeRO-3 shards parameters
-        with gathered():
-            return gather_full_state(self.chunks, self.mesh, full_shapes(self.config.model))
+        with self.optimizer.gathered():  # ZeRO-3 shards parameters
+            return gather_full_state(list(self.chunks), self.mesh, full_shapes(self.config.model))
 
 
 def build_chunks(config: Config, mesh: Mesh) -> list[Transformer]:
@@ -70,15 +92,17 @@ def build_chunks(config: Config, mesh: Mesh) -> list[Transformer]:
 
 def apply_recompute(model: Transformer, mode: str) -> None:
     for block in model.layers.values():
+        assert isinstance(block, Block)  # every layer is; the check tells the type checker
         block.recompute_full = mode == "full"
         block.attn.recompute_core = mode == "selective"
 
 
 def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") -> ParallelModel:
-    """Apply the layout of `config` to a fresh model for this rank, in DESIGN.md's order."""
+    """Apply the layout of `config` to a fresh model for this rank, in the order of this module's docstring."""
     layout = config.layout
+    device = torch.device(device)
     chunks = build_chunks(config, mesh)
-    finalizers: list[Callable[[], None]] = []
+    finalizers: list[GradFinalizer] = []
     loss_fn: Callable = cross_entropy_sum
     shard_sequence: Callable = whole_sequence
     for chunk in chunks:
@@ -109,11 +133,15 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
 
         shard_sequence = sequence_sharder(mesh, config)
     optimizer = build_optimizer(chunks, mesh, config)
-    for finalize in finalizers:
-        optimizer.grad_finalizers.append(finalize)
-    model = ParallelModel(config, mesh, chunks, optimizer, loss_fn, shard_sequence)
-    if layout.cp > 1:  # every cp rank holds the same per-sequence auxiliary loss: one reports it
-        model.extras["aux_owner"] = mesh.cp.rank == 0
+    if layout.pp > 1:
+        from .parallel.pipeline import tied_gradient_finalizer
+
+        tied = tied_gradient_finalizer(chunks, mesh, config.model)  # None unless the ends share the embedding
+        finalizers += [tied] if tied is not None else []
+    optimizer.grad_finalizers.extend(finalizers)
+    # Every cp rank holds the same per-sequence auxiliary loss: one of them reports it.
+    aux_owner = layout.cp == 1 or mesh.cp.rank == 0
+    model = ParallelModel(config, mesh, chunks, optimizer, loss_fn, shard_sequence, device, aux_owner)
     if layout.pp > 1:
         from .parallel.pipeline import PipelineRunner
 

@@ -234,8 +234,8 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
 
     records, stop, stopping = [], StopRequest(), False
     flops_per_token = model_flops_per_token(config.model, config.train.seq_len)
-    peak = peak_flops_for_log(DTYPES[config.train.dtype], model.extras["device"], model.mesh.world_size)  # ~0.2 s, once
-    device = model.extras["device"]
+    peak = peak_flops_for_log(DTYPES[config.train.dtype], model.device, model.mesh.world_size)  # ~0.2 s, once
+    device = model.device
     profiler = StepProfiler(config.train.profile, run_dir, model.mesh.rank, device, config.train.steps)
     task = progress.add_task("train", total=config.train.steps, completed=start, loss=float("nan"), tps=0.0)
     try:
@@ -304,7 +304,7 @@ def _train_in(config: Config, run_dir: Path, mesh: Mesh, device: torch.device, s
     torch.manual_seed(config.train.seed)
     data, sampler = load_data(config)
     model = build(config, mesh, device)
-    model.extras["data_position"] = functools.partial(data_position, sampler)  # recorded in checkpoints
+    model.data_position = functools.partial(data_position, sampler)  # recorded in checkpoints
     is_main = mesh.rank == 0
     for note in getattr(data, "notes", []) if is_main else []:
         print(f"note: {note}")

@@ -13,11 +13,14 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from .stages import bubble_share
+
+if TYPE_CHECKING:
+    from .parallelize import ParallelModel
 
 # Event kinds; compute kinds are what counts as busy. The codes travel in a float tensor.
 KINDS = ("F", "B", "I", "W", "comm")
@@ -216,12 +219,12 @@ def draw_gantt(rows: list[list[Event]], path: str | Path, title: str = "") -> Pa
 
 
 @contextlib.contextmanager
-def trace_step(model, run_dir: Path, enabled: bool) -> Iterator[None]:
+def trace_step(model: ParallelModel, run_dir: Path, enabled: bool) -> Iterator[None]:
     """Record the pipeline timeline of the step run inside; rank 0 writes timeline.png and trace.json.
 
     Rows are the pipeline stages of the first (dp, cp, tp) replica. Needs a pipeline (pp > 1).
     """
-    runner = getattr(model, "runner", None)
+    runner = model.runner
     if not enabled or runner is None:
         if enabled and model.mesh.rank == 0:
             print("train.trace records pipeline stages; nothing to trace with pp=1")

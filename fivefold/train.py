@@ -22,6 +22,7 @@ from .config import Config
 from .data import Sampler, TokenData, micro_batches
 from .memory import held_memory
 from .mesh import Mesh
+from .model.moe import MoE
 from .metrics import PhaseClock, flatten_scalars, mfu
 from .parallel import comm
 from .parallel.optim import lr_at
@@ -48,7 +49,7 @@ def local_micro_batches(model: ParallelModel, sampler: Sampler, step: int) -> li
     """This rank's micro-batches of step `step`: its data-parallel rows, its sequence chunk."""
     mesh, layout = model.mesh, model.config.layout
     inputs, targets, documents = sampler.local_rows_at(step, mesh.dp.rank, mesh.dp.size)
-    device = model.extras.get("device", torch.device("cpu"))
+    device = model.device
     return [
         model.shard_sequence(*(t.to(device) for t in rows))
         for rows in micro_batches(inputs, targets, layout.grad_accum, documents)
@@ -85,41 +86,66 @@ def _report_sum(value: torch.Tensor, mesh: Mesh, contributes: bool) -> float:
     return float(value)
 
 
-def moe_statistics(model: ParallelModel) -> dict[str, Any]:
-    """Tokens per expert, imbalance (max / mean) and dropped fraction per MoE layer, this step."""
-    stats: dict[str, Any] = {}
+@dataclass
+class RoutedTokens:
+    """One MoE layer's routing in this step, summed over the ranks that route distinct tokens."""
+
+    moe: MoE
+    per_expert: torch.Tensor  # (E,) float64: token-slots routed to each expert, whole global batch
+    dropped: float  # token-slots over capacity, whole global batch
+    local: torch.Tensor  # (E,) float64: this rank's own counts (zero on tp ranks but the first)
+
+
+def routed_tokens(model: ParallelModel) -> dict[str, RoutedTokens]:
+    """Read and reset every MoE layer's routing counters, summed over the whole step.
+
+    dp x cp ranks route distinct tokens (expert parallel or not) and are summed; tp ranks
+    route the same tokens, so only tp rank 0 contributes.
+    """
+    routed: dict[str, RoutedTokens] = {}
     mesh = model.mesh
     for chunk in model.chunks:
         for name, moe in chunk.moe_layers().items():
             counts = torch.cat([moe.tokens_per_expert, moe.dropped_slots.reshape(1)]).double()
-            local = counts[:-1].clone()
-            # Sum over the ranks that route distinct tokens, each once: dp x cp ranks always
-            # do (expert parallel or not); tp ranks only when the MoE sets `stats_axes`
-            # (sequence parallel splits the tokens), otherwise they see the same ones.
-            if getattr(moe, "stats_axes", None):
-                for axis in moe.stats_axes:
-                    comm.all_reduce(counts, mesh[axis])
-            else:
-                if mesh.tp.rank != 0:
-                    counts.zero_()
-                    local.zero_()
-                comm.all_reduce(counts, mesh.dp_cp)
-                comm.all_reduce(counts, mesh.tp)
-            matrix = _ep_token_matrix(local, mesh) if mesh.ep.size > 1 else None
-            per_expert = counts[:-1]
-            total = float(per_expert.sum())
-            stats[f"layer{name}"] = {
-                "tokens_per_expert": [int(c) for c in per_expert.tolist()],
-                "imbalance": float(per_expert.max() / per_expert.mean()) if total else 0.0,
-                "dropped_fraction": float(counts[-1]) / total if total else 0.0,
-            }
-            if matrix is not None:
-                stats[f"layer{name}"]["all_to_all_tokens"] = matrix
-            rate = model.config.model.bias_update_rate
-            if rate and moe.router.kind == "sigmoid":
-                moe.router.update_bias(per_expert.float(), rate)
             moe.tokens_per_expert.zero_()
             moe.dropped_slots.zero_()
+            if mesh.tp.rank != 0:
+                counts.zero_()
+            local = counts[:-1].clone()
+            comm.all_reduce(counts, mesh.dp_cp)
+            comm.all_reduce(counts, mesh.tp)
+            routed[f"layer{name}"] = RoutedTokens(moe, counts[:-1], float(counts[-1]), local)
+    return routed
+
+
+def balance_routers(model: ParallelModel, routed: dict[str, RoutedTokens]) -> None:
+    """The post-step hook of auxiliary-loss-free balancing (DeepSeek-V3): after the optimizer
+    step, move each sigmoid router's expert bias towards the experts this step under-used.
+
+    Training, not reporting: the next step routes with the new biases.
+    """
+    rate = model.config.model.bias_update_rate
+    if not rate:
+        return
+    for layer in routed.values():
+        if layer.moe.router.kind == "sigmoid":
+            layer.moe.router.update_bias(layer.per_expert.float(), rate)
+
+
+def moe_statistics(routed: dict[str, RoutedTokens], mesh: Mesh) -> dict[str, Any]:
+    """Tokens per expert, imbalance (max / mean) and dropped fraction per MoE layer, this step;
+    with expert parallelism also the tokens every ep rank sent to every other."""
+    stats: dict[str, Any] = {}
+    for name, layer in routed.items():
+        per_expert = layer.per_expert
+        total = float(per_expert.sum())
+        stats[name] = {
+            "tokens_per_expert": [int(c) for c in per_expert.tolist()],
+            "imbalance": float(per_expert.max() / per_expert.mean()) if total else 0.0,
+            "dropped_fraction": layer.dropped / total if total else 0.0,
+        }
+        if mesh.ep.size > 1:
+            stats[name]["all_to_all_tokens"] = _ep_token_matrix(layer.local, mesh)
     return stats
 
 
@@ -150,7 +176,7 @@ def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
     """One optimizer step on the global batch of `step`."""
     start = time.perf_counter()
     wire_before = dict(model.mesh.stats.wire)
-    device = model.extras.get("device", torch.device("cpu"))
+    device = model.device
     clock = PhaseClock(device)
     batches = local_micro_batches(model, sampler, step)
     if model.runner is not None:
@@ -172,8 +198,10 @@ def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
     mesh, train = model.mesh, model.config.train
     owns_loss = model.is_last_stage and mesh.tp.rank == 0
     loss = _report_sum(loss_sum, mesh, owns_loss) / (train.global_batch * train.seq_len)
-    aux = _report_sum(aux_sum, mesh, mesh.tp.rank == 0 and model.extras.get("aux_owner", True)) / train.global_batch
-    moe = moe_statistics(model) if model.config.model.is_moe else {}
+    aux = _report_sum(aux_sum, mesh, mesh.tp.rank == 0 and model.aux_owner) / train.global_batch
+    routed = routed_tokens(model) if model.config.model.is_moe else {}
+    balance_routers(model, routed)  # the post-step hook (training), before the next step routes
+    moe = moe_statistics(routed, mesh)
     clock.lap("statistics")  # loss and MoE statistics reductions
     seconds = time.perf_counter() - start
     tokens = train.global_batch * train.seq_len
@@ -185,7 +213,7 @@ def evaluate(model: ParallelModel, data: TokenData, batches: int) -> float:
     """Mean token loss on the validation split (the first `batches` global batches of it)."""
     train = model.config.train
     sampler = data.validation_sampler(train.seq_len, train.global_batch, train.seed + 1)
-    device = model.extras.get("device", torch.device("cpu"))
+    device = model.device
     total = torch.zeros((), dtype=torch.float64)
     for step in range(batches):
         mbs = local_micro_batches(model, sampler, step)
@@ -235,7 +263,7 @@ def step_record(result: StepResult, flops_per_token: float = 0.0, peak_flops: fl
 
     flops_per_token: fivefold.metrics.model_flops_per_token; peak_flops: of all devices of the run.
     """
-    record = {
+    record: dict[str, Any] = {
         "step": result.step,
         "loss": result.loss,
         "grad_norm": result.grad_norm,
@@ -254,6 +282,4 @@ def step_record(result: StepResult, flops_per_token: float = 0.0, peak_flops: fl
 
 
 def build(config: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
-    model = parallelize(config, mesh, device)
-    model.extras["device"] = device
-    return model
+    return parallelize(config, mesh, device)

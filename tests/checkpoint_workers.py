@@ -38,7 +38,7 @@ def hand_sharded_model(ctx, config: Config, dim: int) -> ParallelModel:
         m.copy_(2 * p.detach())
         v.copy_(p.detach() * p.detach())
     optimizer.steps = 7
-    return ParallelModel(config, mesh, [chunk], optimizer, extras={"device": torch.device("cpu")})
+    return ParallelModel(config, mesh, [chunk], optimizer, device=torch.device("cpu"))
 
 
 def save_column_sharded(ctx, config: Config, root: str) -> str:

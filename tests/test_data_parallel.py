@@ -156,7 +156,7 @@ def _overlap_and_views(ctx) -> dict:
     mesh = ctx.mesh(config.layout)
     model = build(config, mesh, torch.device("cpu"))
     optimizer: DataParallelAdamW = model.optimizer
-    reducer = optimizer.reducer
+    reducer = optimizer.sync.reducer
     torch.manual_seed(ctx.rank)
     tokens = torch.randint(0, 256, (2, 32))
 
@@ -248,7 +248,7 @@ def test_flat_update_equals_per_parameter_update():
         p.grad = grad
         ref, m, v = p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)
         for step in (1, 2):
-            adamw_update_(ref, grad, m, v, step, 1e-2, SETTINGS, decays(name, p.dim()))
+            adamw_update_(ref, grad, m, v, step, 1e-2, SETTINGS, decays(p.dim()))
         expected[name] = ref
     grads = {name: p.grad.clone() for name, p in named}
     (bucket,) = plan_buckets(named, Mesh.single(), bucket_bytes=1 << 30, pad_to_axis=False)
@@ -286,19 +286,28 @@ def test_single_rank_data_parallel_matches_replicated_optimizer():
         torch.testing.assert_close(a, b, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=n)
 
 
-def test_optimizer_state_round_trips_by_parameter_name():
-    model = tiny_model()
-    opt = DataParallelAdamW([model], Mesh.single(), SETTINGS, 0.02)
+def test_optimizer_state_round_trips_by_parameter_name(tmp_path):
+    """Flat optimizer state is named per parameter and survives a real checkpoint save and resume."""
+    from fivefold.checkpoint import resume_latest, save_checkpoint
+    from fivefold.parallelize import ParallelModel
+
+    def data_parallel_model() -> ParallelModel:
+        model = tiny_model()
+        return ParallelModel(load_config("tiny"), Mesh.single(), [model], DataParallelAdamW([model], Mesh.single(), SETTINGS, 0.02))
+
+    saved = data_parallel_model()
+    opt = saved.optimizer
     for b, (m, v) in zip(opt.buckets, opt.state):
         m.copy_(torch.randn(b.numel))
         v.copy_(torch.rand(b.numel))
-    state = opt.state_dict()
-    assert set(state["params"]) == {n for n, _ in model.named_parameters()}
-    piece = state["params"]["layers.0.attn.wq.weight"][0]
-    assert piece["offset"] == 0 and piece["numel"] == 64 * 64 and piece["local_shape"] == (64, 64)
-    other = DataParallelAdamW([tiny_model()], Mesh.single(), SETTINGS, 0.02)
-    other.load_state_dict(state)
-    for (m1, v1), (m2, v2) in zip(opt.state, other.state):
+    state = opt.sharded_state()
+    assert set(state) == {n for n, _ in saved.chunks[0].named_parameters()}
+    _, spec = state["layers.0.attn.wq.weight"]["exp_avg"]
+    assert spec.flat == (0, 64 * 64) and spec.shape == (64, 64)
+    save_checkpoint(saved, 1, tmp_path)
+    other = data_parallel_model()
+    assert resume_latest(other, tmp_path) == 1
+    for (m1, v1), (m2, v2) in zip(opt.state, other.optimizer.state):
         assert torch.equal(m1, m2) and torch.equal(v1, v2)
 
 

@@ -190,7 +190,7 @@ def _zero2_after_first_micro_batch(ctx) -> dict:
         logits.float().pow(2).mean().backward()
     return {
         "full_grads_left": sum(p.grad is not None for p in model.chunks[0].parameters()),
-        "shards": sum(g is not None for g in optimizer.grad_shards),
+        "shards": sum(g is not None for g in optimizer.sync.grad_shards),
         "buckets": len(optimizer.buckets),
         "grads_held": held_memory(model.chunks, optimizer).grads,
         "shard_bytes": sum(4 * (hi - lo) for lo, hi in optimizer.ranges),

@@ -73,8 +73,8 @@ def _sharded_state(ctx) -> dict:
     storage_while_free = sum(p.untyped_storage().nbytes() for p in model.chunks[0].parameters())
     with opt.gathered():
         full = gather_full_state(model.chunks, model.mesh, full_shapes(config.model))
-    state = opt.state_dict()
-    pieces = {name: [(p["offset"], p["numel"]) for p in ps] for name, ps in state["params"].items()}
+    # what a checkpoint saves: per parameter name, this rank's flat piece (offset, length)
+    pieces = {name: [entry["exp_avg"][1].flat] for name, entry in opt.sharded_state().items()}
     return {"free": storage_while_free, "full": full, "pieces": pieces}
 
 

@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from ..config import ModelConfig
+from .moe import EXPERT_BIAS
 
 # Output projections feed the residual stream; scaling them by 1/sqrt(2 * layers) keeps the
 # residual's variance from growing with depth (GPT-2, Megatron).
@@ -74,7 +75,7 @@ def initial_box(
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
         return torch.ones(box)
-    if leaf == "expert_bias":
+    if leaf == EXPERT_BIAS:
         return torch.zeros(box)
     out = torch.empty(box)
     for index, start, extent in tiles(shape, offsets, box):

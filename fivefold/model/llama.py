@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from .attention import Attention, rope_tables
 from .init import initial_value
-from .moe import MoE
+from .moe import ROUTING_COUNTERS, MoE
 
 
 class RMSNorm(nn.Module):
@@ -159,7 +159,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> "Transformer":
         """Set every parameter and buffer to its deterministic initial value (seed, name)."""
         for name, tensor in list(self.named_parameters()) + list(self.named_buffers()):
-            if name.endswith(("tokens_per_expert", "dropped_slots")):
+            if name.endswith(ROUTING_COUNTERS):
                 tensor.zero_()
                 continue
             tensor.copy_(initial_value(name, tuple(tensor.shape), seed, self.config))

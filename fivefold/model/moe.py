@@ -25,6 +25,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# Buffer names, written once: every module that finds these buffers by name uses them.
+EXPERT_BIAS = "expert_bias"  # the router's balancing bias: model state, checkpointed
+TOKENS_PER_EXPERT = "tokens_per_expert"  # token-slots routed to each expert this step
+DROPPED_SLOTS = "dropped_slots"  # token-slots over capacity this step
+ROUTING_COUNTERS = (TOKENS_PER_EXPERT, DROPPED_SLOTS)  # per-step statistics the loop reads and resets: not state
+
 
 class Experts(nn.Module):
     """E SwiGLU experts with stacked weights: gate, up (E, f, h) and down (E, h, f).
@@ -168,7 +174,8 @@ class Router(nn.Module):
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.top_k, self.kind, self.renormalize = top_k, kind, renormalize
         # Auxiliary-loss-free balancing (DeepSeek-V3): a bias that steers selection only.
-        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+        self.expert_bias: torch.Tensor
+        self.register_buffer(EXPERT_BIAS, torch.zeros(num_experts), persistent=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, h) -> logits (B,T,E) fp32, probs (B,T,E), expert_ids (B,T,k), weights (B,T,k)."""
@@ -223,8 +230,10 @@ class MoE(nn.Module):
         self.token_stats_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.capacity_offsets: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Per-step statistics, summed over micro-batches; the training loop reads and resets them.
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
-        self.register_buffer("dropped_slots", torch.zeros(()), persistent=False)
+        self.tokens_per_expert: torch.Tensor
+        self.dropped_slots: torch.Tensor
+        self.register_buffer(TOKENS_PER_EXPERT, torch.zeros(num_experts), persistent=False)
+        self.register_buffer(DROPPED_SLOTS, torch.zeros(()), persistent=False)
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.token_stats_reduce is None else self.token_stats_reduce(t)

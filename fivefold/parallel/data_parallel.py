@@ -13,7 +13,10 @@ The pieces here are shared with ZeRO (zero.py):
 - a `BucketReducer` counts, from post-accumulate-grad hooks, when a bucket's gradients are
   complete and launches its collective asynchronously, buckets of one axis strictly in order
   so every rank issues the same collectives in the same order (DDP does the same);
-- `flat_adamw_` runs the shared element-wise AdamW over any slice of a bucket.
+- `flat_adamw_` runs the shared element-wise AdamW over any slice of a bucket;
+- `FlatAdamW` is the AdamW update over flat ranges of buckets (master weights, moments,
+  clipping); its gradient synchroniser (`FlatSynchroniser`) is `BucketAllReduce` here and
+  `ZeroGradientSync` under ZeRO.
 
 Precision (fivefold.precision, carried by AdamWSettings): the flat parameter and gradient
 buffers are in the policy's parameter dtype; with bf16 parameters the optimizer updates an
@@ -25,15 +28,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn as nn
 
 from ..mesh import Axis, Mesh
 from . import comm
-from .optim import AdamWSettings, adamw_update_, decays, master_copy
-from .sharding import Placement, get_placement, replica_count
+from .optim import AdamWSettings, Synchronised, adamw_update_, decays, master_copy
+from .protocols import GradFinalizer, GradientSynchroniser, ShardedState, ShardReader
+from .sharding import Placement, ShardSpec, get_placement, replica_count
 
 MB = 1 << 20
 DATA_AXES = ("dp_cp", "edp")  # axes over which gradients are summed, in order of preference
@@ -108,6 +112,7 @@ class FlatBucket:
         """Store the flat parameters in `dtype`; the parameters stay views of the new buffer."""
         if dtype == self.dtype:
             return
+        assert self.params is not None, "flatten_params_ first"
         flat = self.params.to(dtype)
         for seg in self.segments:
             seg.param.data = flat[seg.start : seg.end].view_as(seg.param)
@@ -170,7 +175,7 @@ def make_bucket(named: list[tuple[str, nn.Parameter]], axis: Axis, pad_to: int) 
     segments, offset = [], 0
     for name, p in named:
         placement = get_placement(p, name)
-        segments.append(Segment(name, p, offset, p.numel(), placement, decays(placement.name, p.dim())))
+        segments.append(Segment(name, p, offset, p.numel(), placement, decays(p.dim())))
         offset += p.numel()
     numel = -(-offset // pad_to) * pad_to
     first = named[0][1]
@@ -431,167 +436,191 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 # ----------------------------------------------------------------------------- the optimizer
 
 
-class DataParallelAdamW:
-    """AdamW with every parameter replicated over its data axis; gradients summed in buckets.
+class FlatSynchroniser(GradientSynchroniser, Protocol):
+    """A synchroniser over flat buckets, as the flat AdamW update (`FlatAdamW`) uses it.
+
+    The update owns elements `ranges[i]` of bucket i (the whole bucket, or a ZeRO shard).
+    """
+
+    buckets: list[FlatBucket]
+    ranges: list[tuple[int, int]]
+    sharded: bool  # True when each rank's range is its own shard of the bucket's axis (ZeRO)
+    shards_parameters: bool  # True when the parameters live as shards with the optimizer (ZeRO-3)
+
+    def take_initial_values(self) -> list[torch.Tensor]:
+        """Once, for the update's master weights: each range's values in fp32, taken before the
+        parameters were cast (views of the parameters where those stay fp32)."""
+        ...
+
+    def reduced_grads(self) -> list[torch.Tensor | None]:
+        """The summed gradient of each range after finish() (None: no gradient this step)."""
+        ...
+
+    def publish(self, weights: list[torch.Tensor]) -> None:
+        """Make the parameters the updated weights of every range (cast to their dtype)."""
+        ...
+
+
+class BucketAllReduce:
+    """Data-parallel gradient synchronisation: every parameter replicated over its data axis.
 
     Parameters and gradients live in one flat buffer per bucket (the parameters and their
-    .grad are views), so a bucket is reduced with one collective and updated with a few
-    element-wise calls. Gradients accumulate in place across micro-batches; inside
-    `no_sync()` nothing is communicated, so accumulation then one reduction equals one
-    large batch.
-
-    Checkpoint format (`state_dict`): per parameter name, its exp_avg / exp_avg_sq as whole
-    local tensors, with offset 0 into the flattened local parameter (the same schema ZeRO
-    uses for its shards; see zero.py).
+    .grad are views), so a bucket is reduced with one collective. Gradients accumulate in
+    place across micro-batches; inside `no_sync()` nothing is communicated, so accumulation
+    then one reduction equals one large batch.
     """
+
+    sharded = False
+    shards_parameters = False
 
     def __init__(
         self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, bucket_mb: float = 25.0
     ) -> None:
-        self.mesh, self.settings = mesh, settings
-        self.named = trainable(chunks)
-        self.buckets = plan_buckets(self.named, mesh, int(bucket_mb * MB), pad_to_axis=False)
+        self.settings = settings
+        self.buckets = plan_buckets(trainable(chunks), mesh, int(bucket_mb * MB), pad_to_axis=False)
         check_replicas_identical(self.buckets)
         for bucket in self.buckets:
             bucket.flatten_params_()
-        self.masters = [master_copy(b.params, settings) for b in self.buckets]  # fp32, taken before the cast
+        self.ranges = [(0, b.numel) for b in self.buckets]
+        self._initial: list[torch.Tensor] = [flat_params(b) for b in self.buckets]  # fp32, before the cast
         for bucket in self.buckets:
             bucket.cast_params_(settings.param_dtype)
             bucket.attach_grad_views_()
-        self.state = [(torch.zeros_like(w), torch.zeros_like(w)) for w in self.masters]
-        self.steps = 0
-        self.grad_finalizers: list[Callable[[], None]] = []
+        self.grad_finalizers: list[GradFinalizer] = []
         self.reducer = BucketReducer(self.buckets, self._launch)
 
+    def take_initial_values(self) -> list[torch.Tensor]:
+        initial, self._initial = self._initial, []
+        return initial
+
     def _launch(self, bucket: FlatBucket) -> Pending:
-        wire = bucket.grads.to(self.settings.reduce_dtype)  # the gradients themselves when the dtypes agree
+        grads = flat_grads(bucket)
+        wire = grads.to(self.settings.reduce_dtype)  # the gradients themselves when the dtypes agree
         work = comm.all_reduce(wire, bucket.axis, async_op=True)
-        if wire is bucket.grads:
+        if wire is grads:
             return Pending(work)
 
         def land() -> None:  # the sum, stored back in the gradients' dtype
-            bucket.grads.copy_(wire)
+            grads.copy_(wire)
 
         return Pending(work, land, keep=(wire,))
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.no_sync()
 
-    def finish_grad_sync(self) -> None:
+    def finish(self) -> None:
         self.reducer.finish()
         for finalize in self.grad_finalizers:
             finalize()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        ranges = [(0, b.numel) for b in self.buckets]
-        total = squared_grad_sum(self.buckets, [b.grads for b in self.buckets], ranges, self.mesh, sharded=False)
-        comm.all_reduce(total, self.mesh.world)
-        norm = float(total.sqrt())
-        coef = clip_coefficient(norm, max_norm)
-        if coef < 1:
-            scale_([b.grads for b in self.buckets], coef)
-        return norm
+    def reduced_grads(self) -> list[torch.Tensor | None]:
+        return [b.grads for b in self.buckets]
 
-    def step(self, lr: float) -> None:
-        self.steps += 1
-        for bucket, master, state in zip(self.buckets, self.masters, self.state):
-            flat_adamw_(bucket, 0, bucket.numel, master, bucket.grads, state, self.steps, lr, self.settings)
-            if master is not bucket.params:
-                bucket.params.copy_(master)
+    def publish(self, weights: list[torch.Tensor]) -> None:
+        for bucket, weight in zip(self.buckets, weights):
+            if weight is not bucket.params:
+                flat_params(bucket).copy_(weight)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
-            bucket.grads.zero_()
+            flat_grads(bucket).zero_()
             for seg in bucket.segments:  # keep the views even if someone set .grad = None
                 seg.param.grad = bucket.grad_view(seg)
 
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        yield  # every rank holds its whole local parameters
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
-        masters = [w for w, b in zip(self.masters, self.buckets) if w is not b.params]
-        return {
-            "params": [b.params for b in self.buckets],
-            "grads": [b.grads for b in self.buckets],
-            "optimizer": [t for pair in self.state for t in pair] + masters,  # fp32 masters are optimizer state
-        }
+        return {"params": [flat_params(b) for b in self.buckets], "grads": [flat_grads(b) for b in self.buckets]}
 
     def padding_bytes(self) -> dict[str, int]:
         return {"params": 0, "grads": 0, "optimizer": 0}
 
-    def state_dict(self) -> dict:
-        return optimizer_state_dict(self.buckets, self.state, [(0, b.numel) for b in self.buckets], self.steps)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = load_optimizer_state(self.buckets, self.state, [(0, b.numel) for b in self.buckets], state)
+def flat_params(bucket: FlatBucket) -> torch.Tensor:
+    assert bucket.params is not None, "the bucket's parameters are not flattened yet"
+    return bucket.params
 
-    # Checkpoint protocol (fivefold/checkpoint.py): with master weights the optimizer owns the
-    # parameters, and saves the fp32 masters as them.
+
+def flat_grads(bucket: FlatBucket) -> torch.Tensor:
+    assert bucket.grads is not None, "the bucket has no flat gradient buffer"
+    return bucket.grads
+
+
+class FlatAdamW(Synchronised):
+    """The AdamW update over flat buckets: fp32 master weights and Adam's moments for the
+    elements of each bucket this rank owns (`sync.ranges`), clipping by the global norm.
+
+    Shared by plain data parallel (each rank owns whole buckets) and ZeRO (each rank owns its
+    shard); the synchroniser says which, delivers the summed gradients and publishes the
+    updated weights back into the parameters.
+    """
+
+    sync: FlatSynchroniser
+
+    def __init__(self, sync: FlatSynchroniser, mesh: Mesh, settings: AdamWSettings) -> None:
+        self.sync, self.mesh, self.settings = sync, mesh, settings
+        self.buckets, self.ranges = sync.buckets, sync.ranges
+        self.masters = [master_copy(w, settings) for w in sync.take_initial_values()]
+        self.state = [(torch.zeros_like(m), torch.zeros_like(m)) for m in self.masters]
+        self.steps = 0
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        grads = self.sync.reduced_grads()
+        total = squared_grad_sum(self.buckets, grads, self.ranges, self.mesh, sharded=self.sync.sharded)
+        comm.all_reduce(total, self.mesh.world)
+        norm = float(total.sqrt())
+        coef = clip_coefficient(norm, max_norm)
+        if coef < 1:
+            scale_(grads, coef)
+        return norm
+
+    def step(self, lr: float) -> None:
+        self.steps += 1
+        for i, (bucket, grad) in enumerate(zip(self.buckets, self.sync.reduced_grads())):
+            if grad is None:
+                grad = torch.zeros_like(self.masters[i])
+            lo, hi = self.ranges[i]
+            flat_adamw_(bucket, lo, hi, self.masters[i], grad, self.state[i], self.steps, lr, self.settings)
+        self.sync.publish(self.masters)
+
+    def _separate_masters(self) -> list[torch.Tensor]:
+        """The fp32 masters that are not also the parameters (bf16 parameters)."""
+        return self.masters if self.settings.precision.has_master_weights else []
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
+        optimizer = [t for pair in self.state for t in pair] + self._separate_masters()  # fp32 masters count here
+        return {**self.sync.held_tensors(), "optimizer": optimizer}
+
+    def padding_bytes(self) -> dict[str, int]:
+        return self.sync.padding_bytes()
+
+    # Checkpoint (fivefold/checkpoint.py): with ZeRO-3, and with master weights, the optimizer
+    # owns the parameters' shards; the fp32 masters are saved as the parameters.
     @property
     def owns_parameter_shards(self) -> bool:
-        return self.settings.precision.has_master_weights
+        return self.sync.shards_parameters or self.settings.precision.has_master_weights
 
-    def sharded_state(self) -> dict:
-        masters = self.masters if self.owns_parameter_shards else None
-        ranges = [(0, b.numel) for b in self.buckets]
-        return flat_sharded_state(self.buckets, self.state, ranges, sharded=False, param_shards=masters)
+    def sharded_state(self) -> ShardedState:
+        shards = self.masters if self.owns_parameter_shards else None
+        return flat_sharded_state(self.buckets, self.state, self.ranges, self.sync.sharded, param_shards=shards)
 
-    def load_sharded_state(self, reader) -> None:
-        masters = self.masters if self.owns_parameter_shards else None
-        ranges = [(0, b.numel) for b in self.buckets]
-        load_flat_sharded_state(reader, self.buckets, self.state, ranges, sharded=False, param_shards=masters)
-        for bucket, master in zip(self.buckets, self.masters):
-            if master is not bucket.params:
-                bucket.params.copy_(master)
+    def load_sharded_state(self, reader: ShardReader) -> None:
+        shards = self.masters if self.owns_parameter_shards else None
+        load_flat_sharded_state(reader, self.buckets, self.state, self.ranges, self.sync.sharded, param_shards=shards)
+        if self.owns_parameter_shards:
+            self.sync.publish(self.masters)
 
 
-# ----------------------------------------------------------------------------- checkpoint schema
+class DataParallelAdamW(FlatAdamW):
+    """AdamW with every parameter replicated over its data axis; gradients summed in buckets."""
 
-
-def optimizer_state_dict(
-    buckets: list[FlatBucket],
-    states: list[tuple[torch.Tensor, torch.Tensor]],
-    ranges: list[tuple[int, int]],
-    steps: int,
-) -> dict:
-    """Optimizer state per parameter name as flat shards with their offsets.
-
-    {"steps": k, "params": {name: [{"offset": o, "numel": n, "local_shape": s, "placement": P,
-    "exp_avg": (n,), "exp_avg_sq": (n,)}, ...]}}: elements [o, o + n) of the flattened local
-    parameter (a tensor whose place in the full model `placement` gives). A checkpoint writer
-    reassembles each local tensor from the pieces of all data-parallel ranks, then the full
-    tensor from the placements, whatever the ZeRO stage or bucket size.
-    """
-    params: dict[str, list[dict]] = {}
-    for bucket, (m, v), (lo, hi) in zip(buckets, states, ranges):
-        for seg, start, end in bucket.runs(lo, hi):
-            params.setdefault(seg.name, []).append({
-                "offset": start - seg.start,
-                "numel": end - start,
-                "local_shape": tuple(seg.param.shape),
-                "placement": seg.placement,
-                "exp_avg": m[start - lo : end - lo].clone(),
-                "exp_avg_sq": v[start - lo : end - lo].clone(),
-            })
-    return {"steps": steps, "params": params}
-
-
-def load_optimizer_state(
-    buckets: list[FlatBucket],
-    states: list[tuple[torch.Tensor, torch.Tensor]],
-    ranges: list[tuple[int, int]],
-    state: dict,
-) -> int:
-    """Inverse of `optimizer_state_dict` for the same layout; returns the step count."""
-    pieces = {(name, p["offset"]): p for name, ps in state["params"].items() for p in ps}
-    for bucket, (m, v), (lo, hi) in zip(buckets, states, ranges):
-        for seg, start, end in bucket.runs(lo, hi):
-            piece = pieces.get((seg.name, start - seg.start))
-            if piece is None or piece["numel"] != end - start:
-                raise ValueError(
-                    f"optimizer state for {seg.name} at offset {start - seg.start} is missing or sized differently"
-                )
-            m[start - lo : end - lo].copy_(piece["exp_avg"])
-            v[start - lo : end - lo].copy_(piece["exp_avg_sq"])
-    return int(state["steps"])
+    def __init__(
+        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, bucket_mb: float = 25.0
+    ) -> None:
+        super().__init__(BucketAllReduce(chunks, mesh, settings, bucket_mb), mesh, settings)
 
 
 def squared_grad_sum(
@@ -637,10 +666,10 @@ def _copy_runs(bucket: FlatBucket, lo: int, hi: int, mesh: Mesh, sharded: bool) 
 # ----------------------------------------------------------------------------- checkpoint protocol
 
 
-def _flat_runs(buckets: list[FlatBucket], ranges: list[tuple[int, int]], sharded: bool):
-    """(bucket index, segment, [start, end) in flat coordinates, ShardSpec) of every owned run."""
-    from .sharding import ShardSpec
-
+def _flat_runs(
+    buckets: list[FlatBucket], ranges: list[tuple[int, int]], sharded: bool
+) -> Iterator[tuple[int, Segment, int, int, ShardSpec]]:
+    """(bucket index, segment, [start, end) in this rank's range, ShardSpec) of every owned run."""
     for i, (bucket, (lo, hi)) in enumerate(zip(buckets, ranges)):
         for seg, start, end in bucket.runs(lo, hi):
             placement = seg.placement
@@ -657,15 +686,16 @@ def flat_sharded_state(
     ranges: list[tuple[int, int]],
     sharded: bool,
     param_shards: list[torch.Tensor] | None = None,
-) -> dict:
+) -> ShardedState:
     """The checkpoint protocol's `sharded_state` for flat buffers (see fivefold/checkpoint.py).
 
     Each parameter's run inside this rank's range of its bucket is one flat piece of the
     parameter's (TP-local) box; `param_shards` adds the parameters themselves (ZeRO-3).
     """
-    out: dict = {}
+    out: ShardedState = {}
     for i, seg, a, b, spec in _flat_runs(buckets, ranges, sharded):
         m, v = states[i]
+        entry: dict[str, tuple[torch.Tensor, Placement | ShardSpec]]
         entry = {"exp_avg": (m[a:b], spec), "exp_avg_sq": (v[a:b], spec)}
         if param_shards is not None:
             entry["param"] = (param_shards[i][a:b], spec)
@@ -674,7 +704,7 @@ def flat_sharded_state(
 
 
 def load_flat_sharded_state(
-    reader,
+    reader: ShardReader,
     buckets: list[FlatBucket],
     states: list[tuple[torch.Tensor, torch.Tensor]],
     ranges: list[tuple[int, int]],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,8 @@ from ..config import TrainConfig
 from ..mesh import Mesh
 from ..precision import PrecisionPolicy
 from . import comm
-from .sharding import Placement, get_placement, replica_count
+from .protocols import GradFinalizer, GradientSynchroniser, ShardedState, ShardReader
+from .sharding import get_placement, replica_count
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -54,8 +55,13 @@ def master_copy(weights: torch.Tensor, settings: AdamWSettings) -> torch.Tensor:
     return weights
 
 
-def decays(name: str, ndim: int) -> bool:
-    """Weight decay applies to matrices, not to norms, biases or the router's balancing bias."""
+def decays(ndim: int) -> bool:
+    """Weight decay applies to matrices (ndim >= 2), not to vectors: norm weights and biases.
+
+    The rule reads the shape only, so a tensor-parallel or ZeRO shard of a parameter decays
+    exactly when the whole parameter does. (The router's balancing bias is a buffer, not a
+    parameter: the optimizer never sees it.)
+    """
     return ndim >= 2
 
 
@@ -82,7 +88,7 @@ def adamw_update_(
     param.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 
-def global_grad_norm(named: list[tuple[str, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
+def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
     """sqrt of the sum of squared gradients of the full model, each element counted once.
 
     A shard replicated on r ranks adds 1/r of its square on each, then one sum over the world.
@@ -98,46 +104,82 @@ def global_grad_norm(named: list[tuple[str, torch.Tensor]], mesh: Mesh) -> torch
     return total.sqrt()
 
 
-class TrainingOptimizer(Protocol):
-    """What the training loop needs from data parallel + optimizer, whatever the ZeRO stage."""
+class LocalGradients:
+    """The synchroniser of a rank without data-parallel replicas: nothing to sum, only finalizers.
 
-    def no_sync(self) -> contextlib.AbstractContextManager: ...
+    The gradients stay the parameters' own .grad; the modules hold parameters and gradients.
+    """
 
-    def finish_grad_sync(self) -> None: ...
+    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        self.named = named
+        self.grad_finalizers: list[GradFinalizer] = []
 
-    def clip_grad_norm(self, max_norm: float) -> float: ...
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
 
-    def step(self, lr: float) -> None: ...
+    def finish(self) -> None:
+        for finalize in self.grad_finalizers:
+            finalize()
 
-    def zero_grad(self) -> None: ...
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            p.grad = None
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        yield  # every parameter is whole already
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [], "grads": []}  # the modules' own parameters and .grad
+
+    def padding_bytes(self) -> dict[str, int]:
+        return {"params": 0, "grads": 0, "optimizer": 0}
 
 
-class ReplicatedAdamW:
-    """AdamW over parameters every data-parallel rank holds whole (no data parallelism here).
+class Synchronised:
+    """The synchroniser's half of TrainingOptimizer, forwarded to `self.sync`.
 
-    Used alone when dp x cp = 1; the data-parallel and ZeRO optimizers replace it otherwise.
-    `grad_finalizers` run after the gradients are complete (e.g. summing sequence-parallel norm
-    gradients over tp) and before the norm is taken.
+    The loop, the pipeline and the composition point ask the optimizer; the work is the
+    synchroniser's (see fivefold/parallel/protocols.py).
+    """
+
+    sync: GradientSynchroniser
+
+    @property
+    def grad_finalizers(self) -> list[GradFinalizer]:
+        return self.sync.grad_finalizers
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.sync.no_sync()
+
+    def finish_grad_sync(self) -> None:
+        self.sync.finish()
+
+    def zero_grad(self) -> None:
+        self.sync.zero_grad()
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        return self.sync.gathered()
+
+
+class ReplicatedAdamW(Synchronised):
+    """AdamW over whole tensors, per parameter: the update of a rank without data parallelism.
+
+    Used when dp x cp = 1 (its synchroniser only runs the finalizers); the data-parallel and
+    ZeRO optimizers replace it otherwise.
     """
 
     def __init__(self, modules: list[nn.Module], mesh: Mesh, settings: AdamWSettings) -> None:
         self.mesh, self.settings = mesh, settings
         self.named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        self.sync = LocalGradients(self.named)
         # fp32 master weights (the parameters themselves in fp32), then the parameters in their dtype
         self.masters = {id(p): master_copy(p.data, settings) for _, p in self.named}
         for _, p in self.named:
             p.data = p.data.to(settings.param_dtype)
         self.state = {id(p): (torch.zeros_like(w), torch.zeros_like(w)) for p, w in self._with_masters()}
         self.steps = 0
-        self.grad_finalizers: list[Callable[[], None]] = []
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        yield
-
-    def finish_grad_sync(self) -> None:
-        for finalize in self.grad_finalizers:
-            finalize()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = global_grad_norm(self.named, self.mesh)
@@ -159,30 +201,26 @@ class ReplicatedAdamW:
                 continue
             m, v = self.state[id(p)]
             master = self.masters[id(p)]
-            adamw_update_(master, p.grad, m, v, self.steps, lr, self.settings, decays(name, p.dim()))
+            adamw_update_(master, p.grad, m, v, self.steps, lr, self.settings, decays(p.dim()))
             if master is not p.data:
                 p.data.copy_(master)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
         own = [w for p, w in self._with_masters() if w is not p.data]  # fp32 masters count as optimizer state
-        return {"optimizer": [t for pair in self.state.values() for t in pair] + own}
+        return {**self.sync.held_tensors(), "optimizer": [t for pair in self.state.values() for t in pair] + own}
 
     def padding_bytes(self) -> dict[str, int]:
-        return {"params": 0, "grads": 0, "optimizer": 0}
+        return self.sync.padding_bytes()
 
-    def zero_grad(self) -> None:
-        for _, p in self.named:
-            p.grad = None
-
-    # Checkpoint protocol (fivefold/checkpoint.py): each state tensor sits where its parameter does.
+    # Checkpoint (fivefold/checkpoint.py): each state tensor sits where its parameter does.
     # With master weights the optimizer owns the parameters: the fp32 masters are saved as "param".
     @property
     def owns_parameter_shards(self) -> bool:
         return self.settings.precision.has_master_weights
 
-    def sharded_state(self) -> dict[str, dict[str, tuple[torch.Tensor, Placement]]]:
-        out = {}
+    def sharded_state(self) -> ShardedState:
+        out: ShardedState = {}
         for name, p in self.named:
             m, v = self.state[id(p)]
             placement = get_placement(p, name)
@@ -191,7 +229,7 @@ class ReplicatedAdamW:
                 out[name]["param"] = (self.masters[id(p)], placement)
         return out
 
-    def load_sharded_state(self, reader) -> None:
+    def load_sharded_state(self, reader: ShardReader) -> None:
         for name, p in self.named:
             placement = get_placement(p, name)
             for key, tensor in zip(("exp_avg", "exp_avg_sq"), self.state[id(p)]):

@@ -285,10 +285,7 @@ class PipelineRunner:
         self.timeline = None  # a fivefold.timeline.Timeline to record the next steps
         self.measure_memory = False
         self.memory = StepMemory(0, 0)
-        mark_tied_copies(self.chunks, config.model)
-        finalize = tied_gradient_finalizer(self.chunks, mesh, config.model)
-        if finalize is not None:
-            model.optimizer.grad_finalizers.append(finalize)
+        mark_tied_copies(self.chunks, config.model)  # parallelize() registers tied_gradient_finalizer
 
     # ----------------------------------------------------------------- public entry points
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..mesh import Mesh
 from ..model.init import canonical_name, initial_box
+from ..model.moe import ROUTING_COUNTERS
 from . import comm
 
 _ATTR = "_fivefold_placement"
@@ -107,7 +108,7 @@ def is_primary(placement: Placement, mesh: Mesh) -> bool:
 
 def _local_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     named = list(model.named_parameters()) + [
-        (n, b) for n, b in model.named_buffers() if not n.endswith(("tokens_per_expert", "dropped_slots"))
+        (n, b) for n, b in model.named_buffers() if not n.endswith(ROUTING_COUNTERS)
     ]
     return named
 
@@ -130,7 +131,7 @@ def materialize(model: nn.Module, config: ModelConfig, seed: int, device: torch.
         if values:
             tensor.copy_(initial_shard(placement, config, seed))
     for name, buf in model.named_buffers():
-        if values and name.endswith(("tokens_per_expert", "dropped_slots")):
+        if values and name.endswith(ROUTING_COUNTERS):
             buf.zero_()
     return model
 

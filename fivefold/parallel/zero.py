@@ -53,44 +53,54 @@ from . import comm
 from .data_parallel import (
     MB,
     BucketReducer,
+    FlatAdamW,
     FlatBucket,
     Pending,
     check_replicas_identical,
-    clip_coefficient,
-    flat_adamw_,
+    flat_grads,
+    flat_params,
     group_by_axis,
-    load_optimizer_state,
     local_axis,
     make_bucket,
-    optimizer_state_dict,
     plan_buckets,
-    scale_,
-    squared_grad_sum,
     trainable,
 )
-from .data_parallel import flat_sharded_state, load_flat_sharded_state
-from .optim import AdamWSettings, master_copy
+from .optim import AdamWSettings
+from .protocols import GradFinalizer
 
 
-class ZeroAdamW:
+class ZeroAdamW(FlatAdamW):
     """AdamW with optimizer state (stage 1), gradients (2) and parameters (3) sharded over dp x cp.
+
+    The flat AdamW update over this rank's shard of every bucket, fed by `ZeroGradientSync`.
+    """
+
+    sync: ZeroGradientSync
+
+    def __init__(
+        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0
+    ) -> None:
+        super().__init__(ZeroGradientSync(chunks, mesh, settings, stage, bucket_mb), mesh, settings)
+
+
+class ZeroGradientSync:
+    """ZeRO's gradient synchronisation: reduce-scatter into this rank's shards (stages 1-3),
+    the all-gather of the updated parameters (1-2) or their gathering around use (3).
 
     Expert parameters (Placement replicated over "edp") are sharded over the expert data
     parallel group instead; nothing here names a layer type, so modules swapped in by other
     strategies are handled like any other.
-
-    Checkpoints: `state_dict()` gives, per parameter name, this rank's pieces of exp_avg /
-    exp_avg_sq with their offsets into the flattened local parameter (see
-    data_parallel.optimizer_state_dict); stage 3 parameters are read inside `gathered()`.
     """
+
+    sharded = True
 
     def __init__(
         self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage} does not exist; use 1, 2 or 3 (0 is DataParallelAdamW)")
-        self.mesh, self.settings, self.stage = mesh, settings, stage
-        self.named = trainable(chunks)
+        self.settings, self.stage = settings, stage
+        self.shards_parameters = stage == 3
         self.units: list[Unit] = build_units(chunks, mesh) if stage == 3 else []
         if stage == 3:  # backward completes the last unit first
             self.buckets = [b for unit in reversed(self.units) for b in unit.buckets]
@@ -102,17 +112,15 @@ class ZeroAdamW:
         for bucket in self.buckets:
             bucket.flatten_params_()
         self.ranges = [b.shard_range() for b in self.buckets]
-        self.masters = [self._master_shard(b, lo, hi) for b, (lo, hi) in zip(self.buckets, self.ranges)]
+        self._initial = [self._initial_shard(b, lo, hi) for b, (lo, hi) in zip(self.buckets, self.ranges)]
         for bucket in self.buckets:
             bucket.cast_params_(settings.param_dtype)
             if stage == 1:
                 bucket.attach_grad_views_()
         # Stage 3: this rank's shard in the parameters' dtype, which the all-gathers read.
-        self.param_shards = [m.to(settings.param_dtype) for m in self.masters] if stage == 3 else []
-        self.state = [(torch.zeros_like(m), torch.zeros_like(m)) for m in self.masters]
+        self.param_shards = [m.to(settings.param_dtype) for m in self._initial] if stage == 3 else []
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self.steps = 0
-        self.grad_finalizers: list[Callable[[], None]] = []
+        self.grad_finalizers: list[GradFinalizer] = []
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
         on_complete = self.gatherer.free_bucket if self.gatherer else None
         defer = lambda: bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
@@ -120,13 +128,17 @@ class ZeroAdamW:
         if self.gatherer:
             self.gatherer.free_all()
 
-    def _master_shard(self, bucket: FlatBucket, lo: int, hi: int) -> torch.Tensor:
-        # fp32 weights the update runs on, taken before the flat buffer is cast. Stages 1-2
-        # with fp32 parameters update a view of the flat buffer; stage 3 keeps the shard
-        # apart (the flat buffer is freed between uses).
+    def _initial_shard(self, bucket: FlatBucket, lo: int, hi: int) -> torch.Tensor:
+        # This rank's fp32 values, taken before the flat buffer is cast. Stages 1-2 with fp32
+        # parameters update a view of the flat buffer; stage 3 keeps the shard apart (the flat
+        # buffer is freed between uses).
         if self.stage == 3:
-            return bucket.params[lo:hi].clone()
-        return master_copy(bucket.params[lo:hi], self.settings)
+            return flat_params(bucket)[lo:hi].clone()
+        return flat_params(bucket)[lo:hi]
+
+    def take_initial_values(self) -> list[torch.Tensor]:
+        initial, self._initial = self._initial, []
+        return initial
 
     # ------------------------------------------------------------------ gradient reduction
 
@@ -157,10 +169,10 @@ class ZeroAdamW:
         else:
             self.grad_shards[i].add_(reduced)
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.no_sync()
 
-    def finish_grad_sync(self) -> None:
+    def finish(self) -> None:
         # Finalizers (tp sums, tied embeddings) work on the full local .grad, which every stage
         # hands to its reduce-scatter: they run first, and the reducer defers its launches.
         for finalize in self.grad_finalizers:
@@ -169,39 +181,23 @@ class ZeroAdamW:
         if self.gatherer:
             self.gatherer.free_all()
 
-    # ------------------------------------------------------------------ norm, update
+    def reduced_grads(self) -> list[torch.Tensor | None]:
+        return self.grad_shards
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        total = squared_grad_sum(self.buckets, self.grad_shards, self.ranges, self.mesh, sharded=True)
-        comm.all_reduce(total, self.mesh.world)
-        norm = float(total.sqrt())
-        coef = clip_coefficient(norm, max_norm)
-        if coef < 1:
-            scale_(self.grad_shards, coef)
-        return norm
+    # ------------------------------------------------------------------ parameters
 
-    def step(self, lr: float) -> None:
-        self.steps += 1
-        for i, bucket in enumerate(self.buckets):
-            grad = self.grad_shards[i]
-            if grad is None:
-                grad = torch.zeros_like(self.masters[i])
-            lo, hi = self.ranges[i]
-            flat_adamw_(bucket, lo, hi, self.masters[i], grad, self.state[i], self.steps, lr, self.settings)
-        self._publish_masters()
-
-    def _publish_masters(self) -> None:
+    def publish(self, masters: list[torch.Tensor]) -> None:
         """Make the parameters the (cast) master weights: all-gather them (stages 1-2), or
         refresh this rank's shard (stage 3 gathers lazily, before the next forward)."""
         if self.stage == 3:
-            for shard, master in zip(self.param_shards, self.masters):
+            for shard, master in zip(self.param_shards, masters):
                 if shard is not master:
                     shard.copy_(master)
             return
         gathers = []
-        for bucket, master in zip(self.buckets, self.masters):
+        for bucket, master in zip(self.buckets, masters):
             updated = master.to(self.settings.param_dtype, copy=True)
-            gathers.append((comm.all_gather_into(bucket.params, updated, bucket.axis, async_op=True), updated))
+            gathers.append((comm.all_gather_into(flat_params(bucket), updated, bucket.axis, async_op=True), updated))
         for work, _ in gathers:
             if work is not None:
                 work.wait()
@@ -210,14 +206,14 @@ class ZeroAdamW:
         self.grad_shards = [None] * len(self.buckets)
         for bucket in self.buckets:
             if self.stage == 1:
-                bucket.grads.zero_()
+                flat_grads(bucket).zero_()
                 for seg in bucket.segments:
                     seg.param.grad = bucket.grad_view(seg)
             else:
                 for seg in bucket.segments:
                     seg.param.grad = None
 
-    # ------------------------------------------------------------------ full parameters, state
+    # ------------------------------------------------------------------ full parameters, memory
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -231,18 +227,13 @@ class ZeroAdamW:
         finally:
             self.gatherer.free_all()
 
-    def _separate_masters(self) -> list[torch.Tensor]:
-        """The fp32 masters that are not also the parameters (bf16 parameters)."""
-        return self.masters if self.settings.precision.has_master_weights else []
-
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank stores, by kind, for memory accounting (fivefold.memory)."""
-        params = [b.params for b in self.buckets] + self.param_shards
+        """The parameter and gradient storage this rank holds (fivefold.memory)."""
+        params = [flat_params(b) for b in self.buckets] + self.param_shards
         grads = [g for g in self.grad_shards if g is not None]
         if self.stage == 1:
-            grads += [b.grads for b in self.buckets]
-        optimizer = [t for pair in self.state for t in pair] + self._separate_masters()
-        return {"params": params, "grads": grads, "optimizer": optimizer}
+            grads += [flat_grads(b) for b in self.buckets]
+        return {"params": params, "grads": grads}
 
     def padding_bytes(self) -> dict[str, int]:
         """Bytes of the held tensors that are padding, not parameters."""
@@ -255,28 +246,6 @@ class ZeroAdamW:
             "grads": (full if self.stage == 1 else (shard if grads_held else 0)) * precision.grad_bytes,
             "optimizer": shard * precision.optimizer_bytes(),  # Adam's moments (+ the fp32 master)
         }
-
-    def state_dict(self) -> dict:
-        return optimizer_state_dict(self.buckets, self.state, self.ranges, self.steps)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = load_optimizer_state(self.buckets, self.state, self.ranges, state)
-
-    # Checkpoint protocol (fivefold/checkpoint.py): stage 3, and every stage with master
-    # weights, owns the parameters' shards; the fp32 masters are saved as the parameters.
-    @property
-    def owns_parameter_shards(self) -> bool:
-        return self.stage == 3 or self.settings.precision.has_master_weights
-
-    def sharded_state(self) -> dict:
-        shards = self.masters if self.owns_parameter_shards else None
-        return flat_sharded_state(self.buckets, self.state, self.ranges, sharded=True, param_shards=shards)
-
-    def load_sharded_state(self, reader) -> None:
-        shards = self.masters if self.owns_parameter_shards else None
-        load_flat_sharded_state(reader, self.buckets, self.state, self.ranges, sharded=True, param_shards=shards)
-        if self.owns_parameter_shards:
-            self._publish_masters()
 
 
 def plan_chunk_buckets(chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int) -> list[FlatBucket]:
