@@ -16,7 +16,7 @@ registered with it here, nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -48,18 +48,6 @@ class ParallelModel:
     aux_owner: bool = True  # whether this rank reports its MoE auxiliary loss (one of the cp ranks holding it)
     runner: PipelineRunner | None = None  # runs the pipeline schedule when pp > 1
     data_position: Callable[[int], dict[str, Any]] | None = None  # where the data stands at a step (run.py)
-
-    @property
-    def extras(self) -> Mapping[str, Any]:
-        """Read-only view of `device` and `data_position` under their former dict keys.
-
-        Only for modules not yet reading the fields (checkpoint.py, parallel/pipeline.py);
-        nothing new may use it.
-        """
-        view: dict[str, Any] = {"device": self.device}
-        if self.data_position is not None:
-            view["data_position"] = self.data_position
-        return view
 
     @property
     def is_last_stage(self) -> bool:

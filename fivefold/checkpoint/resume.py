@@ -23,13 +23,12 @@ from ..rundir import describe_write_error, write_errors
 from .errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
 from .format import commit, list_checkpoints, prune, read_manifest, staging_dir, step_dir, write_rank_files
 from .reader import CheckpointReader, check_compatible
-from .state import module_state_tensors, optimizer_state, rng_states, set_rng_states, shard_entries, spec_of
+from .state import module_state_tensors, rng_states, set_rng_states, shard_entries, spec_of
 
 
 def agree_max(value: int, model: Any) -> int:
     """The largest of every rank's `value` (a status code), so all ranks take the same branch."""
-    device = model.extras.get("device", torch.device("cpu"))
-    flag = torch.tensor([float(value)], device=device)
+    flag = torch.tensor([float(value)], device=model.device)
     comm.all_reduce(flag, model.mesh.world, op="max")
     return int(flag.item())
 
@@ -75,11 +74,11 @@ def _discard(tmp: Path, rank: int) -> None:
 def checkpoint_meta(model: Any, step: int) -> dict[str, Any]:
     return {
         "step": step,
-        "optimizer_steps": int(getattr(model.optimizer, "steps", step)),
+        "optimizer_steps": int(model.optimizer.steps),
         "has_optimizer": True,
         "config": model.config.to_dict(),
         # Where the data stands (the batch of a step is a function of the step and these).
-        "data": model.extras["data_position"](step) if "data_position" in model.extras else {},
+        "data": model.data_position(step) if model.data_position is not None else {},
     }
 
 
@@ -91,7 +90,6 @@ def load_into(model: Any, path: Path, manifest: dict[str, Any]) -> int:
     for chunk in model.chunks:
         for name, tensor in module_state_tensors(chunk, optimizer):
             reader.read_into(tensor, spec_of(get_placement(tensor, name), config), "param")
-    optimizer_state(optimizer)  # raises if the optimizer lacks the protocol
     reader.skip_optimizer_state = not reader.has_optimizer  # imported weights: fresh moments
     optimizer.load_sharded_state(reader)
     optimizer.steps = int(manifest["optimizer_steps"])
@@ -124,9 +122,9 @@ def _attempt(model: Any, path: Path) -> tuple[int, str, int]:
 
 def _data_notes(manifest: dict[str, Any], model: Any, step: int) -> list[str]:
     """The data a checkpoint was trained on, where it differs from the data the run resumes on."""
-    if "data_position" not in model.extras or not manifest.get("data"):
+    if model.data_position is None or not manifest.get("data"):
         return []
-    now, saved = model.extras["data_position"](step), manifest["data"]
+    now, saved = model.data_position(step), manifest["data"]
     return [f"data {key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in now if saved.get(key) != now[key]]
 
 

@@ -1,15 +1,12 @@
 """What one rank saves: its primary shards of parameters, persistent buffers and optimizer
 state, and its random generator states.
 
-Optimizer protocol
-------------------
-An optimizer the checkpoint can save implements:
-
-    steps: int   # completed updates (Adam's bias correction); saved and restored here
-    def sharded_state(self) -> dict[str, dict[str, tuple[Tensor, Placement | ShardSpec]]]:
-        # {parameter name: {state key, e.g. "exp_avg": (this rank's tensor, where it sits)}}
-    def load_sharded_state(self, reader: CheckpointReader) -> None:
-        # for each local state tensor: reader.read_into(tensor, spec, state_key)
+The optimizer's part
+--------------------
+Every optimizer satisfies `CheckpointState` (fivefold/parallel/protocols.py): `steps`
+(completed updates, for Adam's bias correction), `sharded_state()` ({parameter name: {state
+key, e.g. "exp_avg": (this rank's tensor, where it sits)}}) and `load_sharded_state(reader)`
+(for each local state tensor: reader.read_into(tensor, spec, state_key)).
 
 A replicated state gives the parameter's Placement (only its primary replica is written);
 a ZeRO flat shard gives `ShardSpec.from_placement(param_placement, flat=(start, length),
@@ -29,11 +26,12 @@ import torch.nn as nn
 
 from ..config import ModelConfig
 from ..model.init import canonical_name
+from ..model.moe import ROUTING_COUNTERS
+from ..parallel.protocols import CheckpointState
 from ..parallel.sharding import Placement, ShardSpec, get_placement
-from .errors import CheckpointError
 from .regions import clip_to_global
 
-RUNTIME_BUFFERS = ("tokens_per_expert", "dropped_slots")  # per-step statistics, not state
+RUNTIME_BUFFERS = ROUTING_COUNTERS  # per-step statistics, not state
 
 
 def state_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -42,9 +40,9 @@ def state_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.named_parameters()) + buffers
 
 
-def module_state_tensors(module: nn.Module, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+def module_state_tensors(module: nn.Module, optimizer: CheckpointState) -> list[tuple[str, torch.Tensor]]:
     """What the modules contribute: everything, or only buffers when the optimizer owns the parameters."""
-    if getattr(optimizer, "owns_parameter_shards", False):
+    if optimizer.owns_parameter_shards:
         return [(n, b) for n, b in module.named_buffers() if not n.endswith(RUNTIME_BUFFERS)]
     return state_tensors(module)
 
@@ -62,15 +60,6 @@ def _is_primary(spec: ShardSpec, mesh) -> bool:
     return all(mesh[axis].rank == 0 for axis in spec.replicated_over)
 
 
-def optimizer_state(optimizer: Any) -> dict[str, dict[str, tuple[torch.Tensor, Placement | ShardSpec]]]:
-    if not hasattr(optimizer, "sharded_state") or not hasattr(optimizer, "load_sharded_state"):
-        raise CheckpointError(
-            f"{type(optimizer).__name__} does not implement sharded_state()/load_sharded_state(); "
-            "see the optimizer protocol in fivefold/checkpoint/state.py"
-        )
-    return optimizer.sharded_state()
-
-
 def shard_entries(model: Any) -> list[tuple[str, ShardSpec, torch.Tensor]]:
     """(state, spec, tensor) of every shard this rank is the primary replica of."""
     config, mesh = model.config.model, model.mesh
@@ -78,7 +67,7 @@ def shard_entries(model: Any) -> list[tuple[str, ShardSpec, torch.Tensor]]:
     for chunk in model.chunks:
         for name, tensor in module_state_tensors(chunk, model.optimizer):
             entries.append(("param", spec_of(get_placement(tensor, name), config), tensor))
-    for states in optimizer_state(model.optimizer).values():
+    for states in model.optimizer.sharded_state().values():
         for key, (tensor, where) in states.items():
             entries.append((key if key == "param" else f"optim.{key}", spec_of(where, config), tensor))
     return [(state, *clip_to_global(spec, t)) for state, spec, t in entries if _is_primary(spec, mesh)]

@@ -597,7 +597,7 @@ class FlatAdamW(Synchronised):
     def padding_bytes(self) -> dict[str, int]:
         return self.sync.padding_bytes()
 
-    # Checkpoint (fivefold/checkpoint.py): with ZeRO-3, and with master weights, the optimizer
+    # Checkpoint (fivefold/checkpoint/): with ZeRO-3, and with master weights, the optimizer
     # owns the parameters' shards; the fp32 masters are saved as the parameters.
     @property
     def owns_parameter_shards(self) -> bool:
@@ -687,7 +687,7 @@ def flat_sharded_state(
     sharded: bool,
     param_shards: list[torch.Tensor] | None = None,
 ) -> ShardedState:
-    """The checkpoint protocol's `sharded_state` for flat buffers (see fivefold/checkpoint.py).
+    """The checkpoint protocol's `sharded_state` for flat buffers (see fivefold/checkpoint/).
 
     Each parameter's run inside this rank's range of its bucket is one flat piece of the
     parameter's (TP-local) box; `param_shards` adds the parameters themselves (ZeRO-3).

@@ -213,7 +213,7 @@ class ReplicatedAdamW(Synchronised):
     def padding_bytes(self) -> dict[str, int]:
         return self.sync.padding_bytes()
 
-    # Checkpoint (fivefold/checkpoint.py): each state tensor sits where its parameter does.
+    # Checkpoint (fivefold/checkpoint/): each state tensor sits where its parameter does.
     # With master weights the optimizer owns the parameters: the fp32 masters are saved as "param".
     @property
     def owns_parameter_shards(self) -> bool:

@@ -312,7 +312,7 @@ class PipelineRunner:
                 f"the pipeline schedule was built for {self.num_microbatches} micro-batches "
                 f"(layout.grad_accum), got {len(micro_batches)}"
             )
-        device = self.model.extras.get("device", torch.device("cpu"))
+        device = self.model.device
         zero = torch.zeros((), dtype=torch.float64, device=device)
         if self.timeline is not None:
             comm.all_reduce(torch.zeros(1), self.mesh.pp)  # line the stages up: a common time zero
@@ -362,7 +362,7 @@ class PipelineRunner:
         x = batch.inputs if stage == 0 else st.acts.pop(key)
         if stage > 0 and training:
             x.requires_grad_()
-        device = self.model.extras.get("device", torch.device("cpu"))
+        device = self.model.device
         train = self.config.train
         pending: list[PendingWeightGrad] = []
         deferral = self._deferral(action.chunk, pending, training)

@@ -64,7 +64,7 @@ class GradientSynchroniser(HoldsTensors, Protocol):
 
 
 class CheckpointState(Protocol):
-    """The optimizer's part of a checkpoint (fivefold/checkpoint.py's optimizer protocol)."""
+    """The optimizer's part of a checkpoint (what fivefold/checkpoint/ saves and loads)."""
 
     steps: int  # completed updates (Adam's bias correction); saved and restored by the checkpoint
 
