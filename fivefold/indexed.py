@@ -39,11 +39,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_of(path: Path, block: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
+        while data := f.read(block):
+            digest.update(data)
     return digest.hexdigest()
 
 

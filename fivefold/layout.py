@@ -16,7 +16,7 @@ from .volumes import local_kv_heads, vocab_rows_per_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_ALGORITHMS = ("allgather", "ring", "ulysses")
-ZIGZAG_ALGORITHMS = ("ring",)  # context-parallel algorithms that balance the causal mask by zigzag chunks
+ZIGZAG_ALGORITHMS = ("ring",)  # context-parallel algorithms that balance the causal mask by zigzag segments
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -151,7 +151,7 @@ def _check_tensor_parallel(layout: Layout, model: ModelConfig, train: TrainConfi
             near = ", ".join(str(v) for v in (below, above) if v > 0)
             fits = ", ".join(str(d) for d in divisors(local) if model.heads % d == 0 and d > 1)
             raise LayoutError(
-                f"sequence parallel splits each sequence chunk of {local} tokens over tp={tp}, which does not "
+                f"sequence parallel splits each sequence segment of {local} tokens over tp={tp}, which does not "
                 f"divide it; use a seq_len that is a multiple of {step} (e.g. {near})"
                 + (f", or tp in {fits}" if fits else "")
             )
@@ -210,10 +210,13 @@ def check_chunk_schedule(schedule: str, vpp: int, schedule_key: str = "layout.pp
         )
 
 
-def sequence_chunks(algorithm: str, cp: int) -> int:
-    """How many equal chunks context parallelism cuts each sequence into: zigzag ring attention
-    gives rank i chunks i and 2cp - 1 - i of 2cp (equal causal work per rank), the others one of cp."""
+def sequence_segments(algorithm: str, cp: int) -> int:
+    """How many equal segments context parallelism cuts each sequence into: zigzag ring attention
+    gives rank i segments i and 2cp - 1 - i of 2cp (equal causal work per rank), the others one of cp."""
     return 2 * cp if algorithm in ZIGZAG_ALGORITHMS else cp
+
+
+sequence_chunks = sequence_segments  # the name parallel/context_parallel.py still imports
 
 
 def _check_experts(layout: Layout, model: ModelConfig) -> None:
@@ -233,12 +236,13 @@ def _check_context_parallel(layout: Layout, model: ModelConfig, train: TrainConf
     cp = layout.cp
     if cp == 1:
         return
-    chunks = sequence_chunks(layout.cp_algorithm, cp)
-    if train.seq_len % chunks:
-        ok = [s for s in range(chunks, train.seq_len + 2 * chunks, chunks)][-3:]
-        why = "zigzag ring attention cuts each sequence into 2 x cp chunks" if chunks == 2 * cp else "cp splits the sequence"
+    segments = sequence_segments(layout.cp_algorithm, cp)
+    if train.seq_len % segments:
+        ok = [s for s in range(segments, train.seq_len + 2 * segments, segments)][-3:]
+        zigzag = segments == 2 * cp
+        why = "zigzag ring attention cuts each sequence into 2 x cp segments" if zigzag else "cp splits the sequence"
         raise LayoutError(
-            f"seq_len={train.seq_len} is not divisible by {chunks} ({why}); use a multiple of {chunks}, e.g. {ok}"
+            f"seq_len={train.seq_len} is not divisible by {segments} ({why}); use a multiple of {segments}, e.g. {ok}"
         )
     if layout.cp_algorithm == "ulysses":
         _check_ulysses_heads(layout, model)

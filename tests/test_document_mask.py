@@ -37,7 +37,7 @@ def prepared(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def aligned(tmp_path_factory):
-    """Documents of exactly 8 tokens (7 letters + EOS): each zigzag chunk of cp=2 is one document."""
+    """Documents of exactly 8 tokens (7 letters + EOS): each zigzag segment of cp=2 is one document."""
     from fivefold.prepare import prepare
 
     root = tmp_path_factory.mktemp("aligned")
@@ -74,8 +74,8 @@ def test_masked_fused_block_equals_reference_and_fully_masked_queries_merge_as_n
 
 def test_ring_skips_blocks_wholly_in_other_documents():
     cp, seq = 2, 16
-    one_document_per_chunk = torch.arange(seq).div(seq // (2 * cp), rounding_mode="floor")[None]  # (1, 16)
-    skipped = [_ring_block(one_document_per_chunk, (r - s) % cp, r, cp, seq // cp)[4] for r in range(cp) for s in range(cp)]
+    one_document_per_segment = torch.arange(seq).div(seq // (2 * cp), rounding_mode="floor")[None]  # (1, 16)
+    skipped = [_ring_block(one_document_per_segment, (r - s) % cp, r, cp, seq // cp)[4] for r in range(cp) for s in range(cp)]
     assert skipped == [False, True, False, True]  # own blocks computed, every other block skipped
     whole = torch.zeros(1, seq, dtype=torch.long)
     assert not any(_ring_block(whole, (r - s) % cp, r, cp, seq // cp)[4] for r in range(cp) for s in range(cp))

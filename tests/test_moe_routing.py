@@ -9,11 +9,11 @@ import torch
 
 from fivefold.model.moe import Experts, capacity_keep
 from fivefold.parallel.expert_parallel import (
-    chunk_capacity_offsets,
     dispatch_order,
     inverse_permutation,
     rank_splits,
     regroup_by_local_expert,
+    segment_capacity_offsets,
     unpermute,
 )
 from fivefold.volumes import all_to_all_wire_bytes
@@ -95,17 +95,17 @@ def test_inverse_permutation():
         assert torch.equal(values[perm][inv], values)
 
 
-def test_chunk_capacity_offsets_reproduce_whole_sequence_keep():
-    """Capacity decided chunk by chunk with the offsets equals capacity on the whole sequence."""
+def test_segment_capacity_offsets_reproduce_whole_sequence_keep():
+    """Capacity decided segment by segment with the offsets equals capacity on the whole sequence."""
     gen = torch.Generator().manual_seed(3)
-    for B, T, k, E, chunks, capacity in [(2, 16, 2, 4, 4, 3), (1, 12, 1, 8, 3, 1), (3, 8, 3, 4, 2, 2)]:
+    for B, T, k, E, segments, capacity in [(2, 16, 2, 4, 4, 3), (1, 12, 1, 8, 3, 1), (3, 8, 3, 4, 2, 2)]:
         ids = torch.stack(
             [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) for _ in range(B)]
         )  # (B, T, k), distinct experts per token
         whole = capacity_keep(ids, E, capacity)
-        parts = ids.chunk(chunks, dim=1)
+        parts = ids.chunk(segments, dim=1)
         per_choice = torch.stack([torch.nn.functional.one_hot(p, E).sum(dim=1) for p in parts])
-        pieces = [capacity_keep(p, E, capacity, chunk_capacity_offsets(per_choice, i)) for i, p in enumerate(parts)]
+        pieces = [capacity_keep(p, E, capacity, segment_capacity_offsets(per_choice, i)) for i, p in enumerate(parts)]
         assert torch.equal(torch.cat(pieces, dim=1), whole)
         assert not whole.all()  # the capacity bites in these cases
 

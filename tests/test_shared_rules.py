@@ -1,7 +1,7 @@
 """Rules the planner and the runtime share, pinned against what the runtime does.
 
 Each fact (pipeline split, micro-batches in flight, bubble, model FLOPs, context-parallel
-sequence chunks, the vpp/schedule rule) is written once; these tests check that the
+sequence segments, the vpp/schedule rule) is written once; these tests check that the
 planner's prediction is what the runtime builds, runs or counts.
 """
 
@@ -124,7 +124,7 @@ def test_planner_model_flops_of_tied_embeddings_count_the_head_once():
 @pytest.mark.parametrize("cp", (2, 4))
 def test_sequence_rule_is_what_context_parallel_can_cut(algorithm, cp):
     """validate accepts a sequence length exactly when every cp rank gets an equal share of
-    whole chunks covering the sequence once (ring: 2 x cp zigzag chunks)."""
+    whole segments covering the sequence once (ring: 2 x cp zigzag segments)."""
     for seq_len in range(cp, 8 * cp + 1):
         config = load_config("tiny", [f"layout.cp={cp}", f"layout.cp_algorithm={algorithm}", "layout.dp=1",
                                       f"train.seq_len={seq_len}"])

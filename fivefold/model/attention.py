@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (T, head_dim), or (B, T, head_dim) for per-sequence positions (B, T).
 
-    Positions are passed in, not assumed to be 0..T-1, so a rank holding a chunk of a longer
+    Positions are passed in, not assumed to be 0..T-1, so a rank holding a segment of a longer
     sequence (context parallel) rotates its tokens by their global positions, and packed
     documents can restart at position 0 each.
     """

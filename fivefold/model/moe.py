@@ -149,7 +149,7 @@ def capacity_keep(
 
     expert_ids (B, T, k). Priority: choice rank first, then position. `offsets` (B, k, E), or per
     token (B, T, k, E) when a rank's tokens are not one contiguous run of the sequence, are
-    slots of higher priority held elsewhere (other sequence chunks); by default the earlier
+    slots of higher priority held elsewhere (other sequence segments); by default the earlier
     choice ranks of the same tokens. Returns keep (B, T, k) bool.
     """
     B, T, k = expert_ids.shape

@@ -1,7 +1,7 @@
 """Expert parallelism: the experts of every MoE layer are sharded over the `ep` group.
 
 The rest of the model stays replicated. Each rank routes its own tokens (different dp rows
-or cp chunks) exactly as the single-process model does, then the MoE's `dispatcher` is
+or cp segments) exactly as the single-process model does, then the MoE's `dispatcher` is
 swapped for `ExpertParallelDispatcher`, which
 
 1. orders the kept token-slots by global expert (experts of ep rank r are the contiguous
@@ -90,18 +90,18 @@ def unpermute(rows: torch.Tensor, order: torch.Tensor, num_slots: int) -> torch.
     return out.index_copy(0, order, rows)
 
 
-def chunk_capacity_offsets(per_choice: torch.Tensor, index: int) -> torch.Tensor:
-    """Capacity offsets of sequence chunk `index`, from every chunk's assignment counts.
+def segment_capacity_offsets(per_choice: torch.Tensor, index: int) -> torch.Tensor:
+    """Capacity offsets of sequence segment `index`, from every segment's assignment counts.
 
-    per_choice (n_chunks, B, k, E): assignments per (sequence, choice rank, expert) in each
-    chunk, chunks in sequence order. A slot's queue position counts the earlier choice ranks
-    of the whole sequence plus the same choice rank in earlier chunks (GShard's priority).
+    per_choice (n_segments, B, k, E): assignments per (sequence, choice rank, expert) in each
+    segment, segments in sequence order. A slot's queue position counts the earlier choice ranks
+    of the whole sequence plus the same choice rank in earlier segments (GShard's priority).
     Returns (B, k, E).
     """
     whole = per_choice.sum(dim=0)  # (B, k, E)
     earlier_choices = whole.cumsum(dim=1) - whole
-    earlier_chunks = per_choice[:index].sum(dim=0)
-    return earlier_choices + earlier_chunks
+    earlier_segments = per_choice[:index].sum(dim=0)
+    return earlier_choices + earlier_segments
 
 
 # ----------------------------------------------------------------------------- the dispatcher
@@ -195,7 +195,7 @@ def moe_dispatchers(chunks: Sequence[nn.Module]) -> dict[str, ExpertParallelDisp
 
 
 __all__ = [
-    "ExpertParallelDispatcher", "apply_expert_parallel", "chunk_capacity_offsets",
+    "ExpertParallelDispatcher", "apply_expert_parallel",
     "dispatch_order", "inverse_permutation", "moe_dispatchers", "rank_splits",
-    "regroup_by_local_expert", "unpermute",
+    "regroup_by_local_expert", "segment_capacity_offsets", "unpermute",
 ]

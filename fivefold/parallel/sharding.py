@@ -1,6 +1,6 @@
 """Where each local tensor sits inside the full model: placements, materialisation, gathering.
 
-Every parameter a rank holds is a box (a chunk along some dims) of one tensor of the full
+Every parameter a rank holds is a shard, a box (one part of each split) of one tensor of the full
 single-device model, replicated over some mesh axes. Strategies that split a parameter
 record that on it (`set_placement`); everything layout-independent builds on it:
 deterministic initialisation of shards, gathering full tensors for parity checks and
@@ -27,7 +27,7 @@ _ATTR = "_fivefold_placement"
 
 @dataclass(frozen=True)
 class Split:
-    """Chunk `index` of `count` equal chunks along `dim` (of the tensor after earlier splits)."""
+    """Part `index` of `count` equal parts along `dim` (of the tensor after earlier splits)."""
 
     dim: int
     index: int
@@ -41,7 +41,7 @@ class Placement:
     `padded_shape` is the full shape after padding (e.g. a vocabulary padded to a multiple of
     tp); the padding rows never exist in the full model. `replicated_over` names the mesh axes
     whose ranks hold identical copies of this local tensor. `extra["repeat"]` maps an axis to
-    k when runs of k consecutive ranks of that axis hold the same chunk (a key/value head
+    k when runs of k consecutive ranks of that axis hold the same shard (a key/value head
     shared by k tensor-parallel ranks): those k copies are replicas too.
     """
 
@@ -50,7 +50,7 @@ class Placement:
     splits: tuple[Split, ...] = ()
     padded_shape: tuple[int, ...] | None = None
     replicated_over: tuple[str, ...] = ("dp_cp", "tp")
-    # Chunks that repeat: a kv head shared by several tp ranks is chunk index // repeat.
+    # Shards that repeat: a kv head shared by several tp ranks is part index // repeat.
     extra: dict = field(default_factory=dict, compare=False)
 
     def with_split(self, split: Split, drop_axis: str | None = None) -> "Placement":
@@ -91,7 +91,7 @@ def set_placement(param: torch.Tensor, placement: Placement) -> None:
 
 
 def repeats(placement: Placement) -> dict[str, int]:
-    """Axis -> k where runs of k consecutive ranks of the axis hold the same chunk."""
+    """Axis -> k where runs of k consecutive ranks of the axis hold the same shard."""
     return placement.extra.get("repeat", {})
 
 

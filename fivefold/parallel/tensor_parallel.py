@@ -308,7 +308,7 @@ def _shard_placement(old: torch.Tensor, name: str, split: Split, padded: tuple[i
 
 def _colwise(app: _Applier, name: str, module: nn.Linear, count: int | None = None, repeat: int = 1,
              input_layout: str = "ready", padded_rows: int | None = None) -> nn.Module:
-    """Swap `module` for a column-parallel layer holding chunk (rank // repeat) of `count`."""
+    """Swap `module` for a column-parallel layer holding part (rank // repeat) of `count` equal parts."""
     t = app.axis.size
     count = count or t
     rows = padded_rows or module.weight.shape[0]
