@@ -2,7 +2,9 @@
 
 The update is one element-wise function shared by every layout: ZeRO applies it to flat
 shards, the plain optimizer to whole tensors, and both compute bit-for-bit the same numbers
-for the same elements. Gradients arrive already reduced (summed over data-parallel ranks,
+for the same elements. It runs torch's fused multi-tensor AdamW kernel (one pass over the
+parameters, gradients and moments) so that every element takes the kernel's vector path,
+whatever slice of a buffer a layout hands it. Gradients arrive already reduced (summed over data-parallel ranks,
 since each rank's loss is already divided by the tokens of the whole global batch).
 """
 
