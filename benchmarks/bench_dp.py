@@ -145,17 +145,19 @@ def deepspeed_case(config: Config, sampler: Sampler, stage: int) -> Callable[[],
     return step
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process so far, every thread (gloo's included)."""
+def cpu_and_faults() -> tuple[float, int]:
+    """CPU seconds of this process so far, every thread (gloo's included), and its minor page
+    faults (fresh pages: what a large temporary costs on top of writing it)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
 
 
-def cpu_timed(step: Callable[[], None], record: list[float]) -> Callable[[], None]:
+def cpu_timed(step: Callable[[], None], record: list[tuple[float, int]]) -> Callable[[], None]:
     def timed() -> None:
-        start = cpu_seconds()
+        cpu, faults = cpu_and_faults()
         step()
-        record.append(cpu_seconds() - start)
+        cpu_after, faults_after = cpu_and_faults()
+        record.append((cpu_after - cpu, faults_after - faults))
 
     return timed
 
@@ -240,12 +242,11 @@ def main() -> None:
         return
     skipped = set(filter(None, args.skip.split(",")))
     names = [args.case] if args.case else [c for c in all_cases() if c not in skipped]
-    cpu: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
     with contextlib.redirect_stdout(sys.stderr if dist.get_rank() else sys.stdout):
         cases = {name: cpu_timed(make_case(name, config, sampler), cpu[name]) for name in names}
         results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
-    for name in names:  # the timed rounds' CPU seconds, after the warm-up calls
-        results[name].extra["cpu_seconds"] = cpu[name][args.warmup :]
+    keep_cpu_records(results, cpu, args.warmup)
     bench.gather_peak_rss(results)
     if dist.get_rank() == 0:
         report(args, config, results)
@@ -262,11 +263,29 @@ def run_micro_benchmark(args, config: Config) -> None:
     else:
         cases, baseline = optimizer_cases(config), "torch-adamw-single-tensor"
         title, meta = "one AdamW step over the small preset's parameters (1 thread)", {}
+    cpu: dict[str, list[tuple[float, int]]] = {name: [] for name in cases}
+    cases = {name: cpu_timed(case, cpu[name]) for name, case in cases.items()}
     results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
+    keep_cpu_records(results, cpu, args.warmup)
     if dist.get_rank() == 0:
         comparison = bench.compare(title, results, baseline, meta)
         bench.print_table(comparison)
+        print_cpu(results)
         print(f"written {bench.write_json([comparison], args.json)}")
+
+
+def keep_cpu_records(results: dict, cpu: dict[str, list[tuple[float, int]]], warmup: int) -> None:
+    """The timed rounds' CPU seconds and minor faults per call (the warm-up calls dropped)."""
+    for name, records in cpu.items():
+        results[name].extra["cpu_seconds"] = [c for c, _ in records[warmup:]]
+        results[name].extra["minor_faults"] = [f for _, f in records[warmup:]]
+
+
+def print_cpu(results: dict) -> None:
+    print("rank 0, median per call: " + "; ".join(
+        f"{n} {statistics.median(r.extra['cpu_seconds']):.3f} CPU s, {statistics.median(r.extra['minor_faults']):.0f} minor faults"
+        for n, r in results.items()
+    ))
 
 
 def report(args, config: Config, results: dict) -> None:
@@ -279,7 +298,7 @@ def report(args, config: Config, results: dict) -> None:
     comparisons = []
     for ours, peers in PAIRS.items():
         peers = [p for p in peers if p in results]
-        if ours not in results:
+        if ours not in results or not peers:
             continue
         subset = {n: results[n] for n in [ours, *peers]}
         comparison = bench.compare(f"{ours} vs {', '.join(peers)} (dp=2, gloo, small)", subset, ours, meta)
@@ -293,6 +312,7 @@ def report(args, config: Config, results: dict) -> None:
         bench.print_table(comparison)
         print("CPU time per step vs fivefold-dp (median per-round ratio): "
               + ", ".join(f"{n} {r:.3f}" for n, r in comparison.meta["cpu_ratio_vs_dp"].items()))
+        print_cpu(subset)
         comparisons.append(comparison)
     print(f"written {bench.write_json(comparisons, args.json)}")
 

@@ -318,6 +318,20 @@ def test_fused_update_of_any_slice_equals_the_whole_tensor_bit_for_bit(threads):
         torch.set_num_threads(previous)
 
 
+def test_fused_update_of_a_non_contiguous_tensor_lands_in_place():
+    """A strided (transposed) parameter and its moments are updated where they are, to the
+    same bits as their contiguous copies."""
+    base = [t.reshape(70, 50) for t in _adam_inputs(3_500)]
+    contiguous = [t.clone() for t in base]
+    strided = [t.t().contiguous().t() for t in base]  # the same values, column-major
+    assert not strided[0].is_contiguous()
+    for step in (1, 2):
+        adamw_update_(*contiguous, step, 1e-2, SETTINGS, True)
+        adamw_update_(*strided, step, 1e-2, SETTINGS, True)
+    for a, b in zip(contiguous, strided):
+        assert torch.equal(a, b)
+
+
 def test_single_rank_data_parallel_matches_replicated_optimizer():
     """With one replica the data-parallel optimizer is the plain one, update for update."""
     from fivefold.parallel.optim import ReplicatedAdamW

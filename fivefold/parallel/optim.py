@@ -4,8 +4,9 @@ The update is one element-wise function shared by every layout: ZeRO applies it 
 shards, the plain optimizer to whole tensors, and both compute bit-for-bit the same numbers
 for the same elements. It runs torch's fused multi-tensor AdamW kernel (one pass over the
 parameters, gradients and moments) so that every element takes the kernel's vector path,
-whatever slice of a buffer a layout hands it. Gradients arrive already reduced (summed over data-parallel ranks,
-since each rank's loss is already divided by the tokens of the whole global batch).
+whatever slice of a buffer a layout hands it. Gradients arrive already reduced (summed over
+data-parallel ranks, since each rank's loss is already divided by the tokens of the whole
+global batch).
 """
 
 from __future__ import annotations
@@ -96,33 +97,38 @@ def adamw_multi_update_(
     settings: AdamWSettings,
     weight_decay: bool,
 ) -> None:
-    """`adamw_update_` over lists of flat (or any contiguous) tensors with one weight-decay rule.
+    """`adamw_update_` over lists of tensors with one weight-decay rule.
 
     One fused multi-tensor kernel (torch._fused_adamw_, one pass over param, grad and both
     moments) runs every element through its vector path: the bulk of each tensor in place,
-    the remainders packed into one zero-padded scratch block (zeros update to zeros).
+    the remainders (and any non-contiguous tensor whole) packed into one zero-padded scratch
+    block, whose zeros update to zeros, and copied back.
     """
     unit = FUSED_LANES * torch.get_num_threads()
     bulks: tuple[list[torch.Tensor], ...] = ([], [], [], [])
     tails: list[tuple[torch.Tensor, ...]] = []
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        g = g.to(m.dtype)  # bf16 gradients: the update runs in the fp32 of the state
+        g = g.to(m.dtype).contiguous()  # bf16 gradients: the update runs in the fp32 of the state
+        if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+            tails.append((p, g, m, v))  # updated through the scratch block, whole
+            continue
         cut = p.numel() - p.numel() % unit
         if cut:
             for out, t in zip(bulks, (p, g, m, v)):
-                out.append(t.reshape(-1)[:cut])
+                out.append(t.view(-1)[:cut])
         if cut < p.numel():
-            tails.append(tuple(t.reshape(-1)[cut:] for t in (p, g, m, v)))
+            tails.append(tuple(t.view(-1)[cut:] for t in (p, g, m, v)))
     scratch = _padded_tails(tails, unit, params[0].dtype) if tails else None
     if scratch is not None:
         for out, row in zip(bulks, scratch):
             out.append(row)
     if bulks[0]:
-        step_tensor = torch.tensor(float(step))
+        steps = [torch.tensor(float(step), device=params[0].device)] * len(bulks[0])
+        no_amsgrad: list[torch.Tensor] = []
         torch._fused_adamw_(
-            *bulks, [], [step_tensor] * len(bulks[0]), lr=lr, beta1=settings.beta1, beta2=settings.beta2,
-            weight_decay=settings.weight_decay if weight_decay else 0.0, eps=settings.eps, amsgrad=False,
-            maximize=False,
+            bulks[0], bulks[1], bulks[2], bulks[3], no_amsgrad, steps, lr=lr, beta1=settings.beta1,
+            beta2=settings.beta2, weight_decay=settings.weight_decay if weight_decay else 0.0, eps=settings.eps,
+            amsgrad=False, maximize=False,
         )
     if scratch is not None:
         _unpack_tails(tails, scratch)
@@ -136,7 +142,7 @@ def _padded_tails(tails: list[tuple[torch.Tensor, ...]], unit: int, dtype: torch
     for tail in tails:
         n = tail[0].numel()
         for row, t in zip(scratch, tail):
-            row[start : start + n].copy_(t)
+            row[start : start + n].copy_(t.reshape(-1))
         start += n
     return scratch
 
@@ -146,7 +152,7 @@ def _unpack_tails(tails: list[tuple[torch.Tensor, ...]], scratch: torch.Tensor) 
     for p, _, m, v in tails:
         n = p.numel()
         for t, row in ((p, scratch[0]), (m, scratch[2]), (v, scratch[3])):
-            t.copy_(row[start : start + n])
+            t.copy_(row[start : start + n].view(t.shape))
         start += n
 
 

@@ -202,11 +202,13 @@ class ZeroAdamW:
             return
         works = []
         for bucket, master, (lo, hi) in zip(self.buckets, self.masters, self.ranges):
-            own = bucket.params[lo:hi]
+            flat = bucket.params
+            assert flat is not None  # flattened in __init__
+            own = flat[lo:hi]
             if master.data_ptr() != own.data_ptr():  # bf16 parameters: the fp32 master, cast into place
                 own.copy_(master)
             # In place: every rank's slice of the flat storage is already where it belongs.
-            works.append(comm.all_gather_into(bucket.params, own, bucket.axis, async_op=True))
+            works.append(comm.all_gather_into(flat, own, bucket.axis, async_op=True))
         for work in works:
             if work is not None:
                 work.wait()
