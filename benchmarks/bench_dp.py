@@ -283,7 +283,8 @@ def keep_cpu_records(results: dict, cpu: dict[str, list[tuple[float, int]]], war
 
 def print_cpu(results: dict) -> None:
     print("rank 0, median per call: " + "; ".join(
-        f"{n} {statistics.median(r.extra['cpu_seconds']):.3f} CPU s, {statistics.median(r.extra['minor_faults']):.0f} minor faults"
+        f"{n} {statistics.median(r.extra['cpu_seconds']):.3f} CPU s, "
+        f"{statistics.median(r.extra['minor_faults']):.0f} minor faults"
         for n, r in results.items()
     ))
 
@@ -307,7 +308,8 @@ def report(args, config: Config, results: dict) -> None:
     stages = [n for n in ("fivefold-dp", "fivefold-zero1", "fivefold-zero2", "fivefold-zero3") if n in results]
     if "fivefold-dp" in stages and len(stages) > 1:
         subset = {n: results[n] for n in stages}
-        comparison = bench.compare("fivefold ZeRO stages vs plain data parallel (dp=2, gloo, small)", subset, "fivefold-dp", meta)
+        title = "fivefold ZeRO stages vs plain data parallel (dp=2, gloo, small)"
+        comparison = bench.compare(title, subset, "fivefold-dp", meta)
         comparison.meta["cpu_ratio_vs_dp"] = cpu_ratios(subset, "fivefold-dp")
         bench.print_table(comparison)
         print("CPU time per step vs fivefold-dp (median per-round ratio): "

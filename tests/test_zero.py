@@ -189,7 +189,8 @@ def _zero_lands_in_place(ctx, stage: int) -> dict:
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     train_step(model, Sampler(data.train, config.train.seq_len, config.train.global_batch, 0), 0)
     masters_are_flat = all(
-        m.data_ptr() == b.params[lo:hi].data_ptr() for m, b, (lo, hi) in zip(optimizer.masters, optimizer.buckets, optimizer.ranges)
+        m.data_ptr() == b.params[lo:hi].data_ptr()
+        for m, b, (lo, hi) in zip(optimizer.masters, optimizer.buckets, optimizer.ranges)
     )
     params_view_flat = all(
         seg.param.untyped_storage().data_ptr() == b.params.untyped_storage().data_ptr()

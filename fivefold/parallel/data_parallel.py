@@ -403,7 +403,8 @@ def flat_adamw_(
     for decay in (True, False):
         runs = [(start - lo, end - lo) for start, end, d in _decay_runs(bucket, lo, hi) if d == decay]
         if runs:
-            params, grads, exp_avgs, exp_avg_sqs = ([t[a:b] for a, b in runs] for t in (param, grad, exp_avg, exp_avg_sq))
+            pieces = ([t[a:b] for a, b in runs] for t in (param, grad, exp_avg, exp_avg_sq))
+            params, grads, exp_avgs, exp_avg_sqs = pieces
             adamw_multi_update_(params, grads, exp_avgs, exp_avg_sqs, step, lr, settings, decay)
 
 
