@@ -9,7 +9,12 @@ run. Launch:
 
 Without --case every case is timed (median per-round ratio against its peer), and each case's
 peak RSS per rank is measured around its own steps; the models of the other cases stay resident
-meanwhile, so `--case NAME` runs one case alone for a peak that counts nothing else.
+meanwhile, so `--case NAME` runs one case alone for a peak that counts nothing else. The ZeRO
+stages are also compared with fivefold's plain data parallel, in wall time and in CPU time per
+step (all threads of the process: compute, gloo's, copies), which a loaded machine disturbs less.
+
+`--collectives` times bare gloo collectives instead, on one flat buffer of the model's
+gradient size, alternating: all-reduce, reduce-scatter and all-gather of the same bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -138,6 +145,64 @@ def deepspeed_case(config: Config, sampler: Sampler, stage: int) -> Callable[[],
     return step
 
 
+def cpu_and_faults() -> tuple[float, int]:
+    """CPU seconds of this process so far, every thread (gloo's included), and its minor page
+    faults (fresh pages: what a large temporary costs on top of writing it)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
+
+
+def cpu_timed(step: Callable[[], None], record: list[tuple[float, int]]) -> Callable[[], None]:
+    def timed() -> None:
+        cpu, faults = cpu_and_faults()
+        step()
+        cpu_after, faults_after = cpu_and_faults()
+        record.append((cpu_after - cpu, faults_after - faults))
+
+    return timed
+
+
+def collective_cases(numel: int) -> dict[str, Callable[[], None]]:
+    """Bare gloo collectives over the same bytes: what ZeRO pays for each reduction it runs."""
+    full, shard = torch.randn(numel), torch.empty(numel // dist.get_world_size())
+    return {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+    }
+
+
+def optimizer_cases(config: Config) -> dict[str, Callable[[], None]]:
+    """One AdamW step over the model's parameters with random gradients: fivefold's fused update
+    over one flat bucket (as dp=2 keeps it) against torch.optim.AdamW's three implementations."""
+    from fivefold.mesh import Mesh as SingleMesh
+    from fivefold.parallel.data_parallel import flat_adamw_, plan_buckets, trainable
+    from fivefold.parallel.optim import AdamWSettings
+
+    t = config.train
+    ours = build_model(config.model, t.seed)
+    (bucket,) = plan_buckets(trainable([ours]), SingleMesh.single(), 1 << 40, pad_to_axis=False)
+    bucket.flatten_params_()
+    grad, state = torch.randn(bucket.numel) * 1e-3, (torch.zeros(bucket.numel), torch.zeros(bucket.numel))
+    settings = AdamWSettings.from_train(t)
+    steps = {"n": 0}
+
+    def fivefold_step() -> None:
+        steps["n"] += 1
+        flat_adamw_(bucket, 0, bucket.numel, bucket.params, grad, state, steps["n"], t.lr, settings)
+
+    cases = {"fivefold-flat-fused": fivefold_step}
+    for kind in ("single-tensor", "foreach", "fused"):
+        model = build_model(config.model, t.seed)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        flags = {"foreach": kind == "foreach", "fused": kind == "fused"}
+        opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                weight_decay=t.weight_decay, **flags)
+        cases[f"torch-adamw-{kind}"] = opt.step
+    return cases
+
+
 def make_case(name: str, config: Config, sampler: Sampler) -> Callable[[], None]:
     if name.startswith("fivefold-"):
         zero = 0 if name == "fivefold-dp" else int(name[-1])
@@ -161,6 +226,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--case", default="", help="run one case alone (for its peak RSS)")
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. DeepSpeed's)")
+    parser.add_argument("--collectives", action="store_true", help="time bare gloo collectives of the model's bytes")
+    parser.add_argument("--optimizer", action="store_true", help="time one AdamW step: fivefold's against torch's")
     parser.add_argument("--json", default="runs/bench/dp.json")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.global_batch=8")
     args = parser.parse_args()
@@ -169,15 +236,57 @@ def main() -> None:
     config = load_config("small", args.overrides)
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    if args.collectives or args.optimizer:
+        run_micro_benchmark(args, config)
+        dist.destroy_process_group()
+        return
     skipped = set(filter(None, args.skip.split(",")))
     names = [args.case] if args.case else [c for c in all_cases() if c not in skipped]
+    cpu: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
     with contextlib.redirect_stdout(sys.stderr if dist.get_rank() else sys.stdout):
-        cases = {name: make_case(name, config, sampler) for name in names}
+        cases = {name: cpu_timed(make_case(name, config, sampler), cpu[name]) for name in names}
         results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
+    keep_cpu_records(results, cpu, args.warmup)
     bench.gather_peak_rss(results)
     if dist.get_rank() == 0:
         report(args, config, results)
     dist.destroy_process_group()
+
+
+def run_micro_benchmark(args, config: Config) -> None:
+    """--collectives or --optimizer: alternate the cases on every rank, rank 0 reports."""
+    if args.collectives:
+        numel = sum(p.numel() for p in build_model(config.model, config.train.seed).parameters())
+        numel -= numel % dist.get_world_size()
+        cases, baseline = collective_cases(numel), "all_reduce"
+        title, meta = f"bare gloo collectives of {numel * 4 / 2**20:.1f} MB (fp32), dp=2", {"numel": numel}
+    else:
+        cases, baseline = optimizer_cases(config), "torch-adamw-single-tensor"
+        title, meta = "one AdamW step over the small preset's parameters (1 thread)", {}
+    cpu: dict[str, list[tuple[float, int]]] = {name: [] for name in cases}
+    cases = {name: cpu_timed(case, cpu[name]) for name, case in cases.items()}
+    results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
+    keep_cpu_records(results, cpu, args.warmup)
+    if dist.get_rank() == 0:
+        comparison = bench.compare(title, results, baseline, meta)
+        bench.print_table(comparison)
+        print_cpu(results)
+        print(f"written {bench.write_json([comparison], args.json)}")
+
+
+def keep_cpu_records(results: dict, cpu: dict[str, list[tuple[float, int]]], warmup: int) -> None:
+    """The timed rounds' CPU seconds and minor faults per call (the warm-up calls dropped)."""
+    for name, records in cpu.items():
+        results[name].extra["cpu_seconds"] = [c for c, _ in records[warmup:]]
+        results[name].extra["minor_faults"] = [f for _, f in records[warmup:]]
+
+
+def print_cpu(results: dict) -> None:
+    print("rank 0, median per call: " + "; ".join(
+        f"{n} {statistics.median(r.extra['cpu_seconds']):.3f} CPU s, "
+        f"{statistics.median(r.extra['minor_faults']):.0f} minor faults"
+        for n, r in results.items()
+    ))
 
 
 def report(args, config: Config, results: dict) -> None:
@@ -190,13 +299,30 @@ def report(args, config: Config, results: dict) -> None:
     comparisons = []
     for ours, peers in PAIRS.items():
         peers = [p for p in peers if p in results]
-        if ours not in results:
+        if ours not in results or not peers:
             continue
         subset = {n: results[n] for n in [ours, *peers]}
         comparison = bench.compare(f"{ours} vs {', '.join(peers)} (dp=2, gloo, small)", subset, ours, meta)
         bench.print_table(comparison)
         comparisons.append(comparison)
+    stages = [n for n in ("fivefold-dp", "fivefold-zero1", "fivefold-zero2", "fivefold-zero3") if n in results]
+    if "fivefold-dp" in stages and len(stages) > 1:
+        subset = {n: results[n] for n in stages}
+        title = "fivefold ZeRO stages vs plain data parallel (dp=2, gloo, small)"
+        comparison = bench.compare(title, subset, "fivefold-dp", meta)
+        comparison.meta["cpu_ratio_vs_dp"] = cpu_ratios(subset, "fivefold-dp")
+        bench.print_table(comparison)
+        print("CPU time per step vs fivefold-dp (median per-round ratio): "
+              + ", ".join(f"{n} {r:.3f}" for n, r in comparison.meta["cpu_ratio_vs_dp"].items()))
+        print_cpu(subset)
+        comparisons.append(comparison)
     print(f"written {bench.write_json(comparisons, args.json)}")
+
+
+def cpu_ratios(results: dict, baseline: str) -> dict[str, float]:
+    """Per case, the median over rounds of its CPU seconds / the baseline's in the same round."""
+    base = results[baseline].extra["cpu_seconds"]
+    return {n: statistics.median(c / b for c, b in zip(r.extra["cpu_seconds"], base)) for n, r in results.items()}
 
 
 if __name__ == "__main__":

@@ -261,6 +261,77 @@ def test_flat_update_equals_per_parameter_update():
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-7)
 
 
+def _per_op_adamw_(p, g, m, v, step: int, lr: float, settings: AdamWSettings, decay: bool) -> None:
+    """The element-wise AdamW the fused kernel replaced, one torch op per line (fp32)."""
+    m.lerp_(g, 1 - settings.beta1)
+    v.mul_(settings.beta2).addcmul_(g, g, value=1 - settings.beta2)
+    denom = (v / (1 - settings.beta2**step)).sqrt_().add_(settings.eps)
+    if decay:
+        p.mul_(1 - lr * settings.weight_decay)
+    p.addcdiv_(m, denom, value=-lr / (1 - settings.beta1**step))
+
+
+def _adam_inputs(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * 1e-2
+    return [p, g, torch.zeros(n), torch.zeros(n)]
+
+
+def test_fused_update_equals_per_op_arithmetic_within_fp32_rounding():
+    """Three steps of the fused kernel against the per-op update it replaced: every element
+    within a few fp32 roundings of the update (the two round in another order)."""
+    fused, per_op = _adam_inputs(10_007), _adam_inputs(10_007)
+    start = fused[0].clone()
+    for step in (1, 2, 3):
+        adamw_update_(*fused, step, 1e-2, SETTINGS, True)
+        _per_op_adamw_(*per_op, step, 1e-2, SETTINGS, True)
+    moved = (per_op[0] - start).abs()
+    assert float(moved.min()) > 1e-3  # every element really moved (lr 1e-2, three steps)
+    torch.testing.assert_close(fused[0], per_op[0], rtol=0, atol=1e-6)  # 8 ulp of |p| < 2
+    for a, b in zip(fused[2:], per_op[2:]):  # the moments
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_update_of_any_slice_equals_the_whole_tensor_bit_for_bit(threads):
+    """An element's update does not depend on the slice it is updated in, nor on the thread
+    count: what lets a ZeRO shard, a bucket and one tensor give the same bits."""
+    previous = torch.get_num_threads()
+    whole = _adam_inputs(5_003)
+    torch.set_num_threads(threads)
+    try:
+        for step in (1, 2):
+            adamw_update_(*whole, step, 1e-2, SETTINGS, True)
+        gen = torch.Generator().manual_seed(threads)
+        for _ in range(20):
+            a, b = sorted(torch.randint(0, 5_004, (2,), generator=gen).tolist())
+            if a == b:
+                continue
+            torch.set_num_threads(int(torch.randint(1, 4, (1,), generator=gen)))
+            pieces = [t[a:b].clone() for t in _adam_inputs(5_003)]
+            for step in (1, 2):
+                adamw_update_(*pieces, step, 1e-2, SETTINGS, True)
+            for got, ref in zip(pieces, whole):
+                assert torch.equal(got, ref[a:b]), (a, b)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_fused_update_of_a_non_contiguous_tensor_lands_in_place():
+    """A strided (transposed) parameter and its moments are updated where they are, to the
+    same bits as their contiguous copies."""
+    base = [t.reshape(70, 50) for t in _adam_inputs(3_500)]
+    contiguous = [t.clone() for t in base]
+    strided = [t.t().contiguous().t() for t in base]  # the same values, column-major
+    assert not strided[0].is_contiguous()
+    for step in (1, 2):
+        adamw_update_(*contiguous, step, 1e-2, SETTINGS, True)
+        adamw_update_(*strided, step, 1e-2, SETTINGS, True)
+    for a, b in zip(contiguous, strided):
+        assert torch.equal(a, b)
+
+
 def test_single_rank_data_parallel_matches_replicated_optimizer():
     """With one replica the data-parallel optimizer is the plain one, update for update."""
     from fivefold.parallel.optim import ReplicatedAdamW

@@ -107,3 +107,108 @@ def test_bad_zero_layouts_are_explained():
     with pytest.raises(LayoutError, match="zero=3 with pp=2"):
         validate(tiny(dp=2, pp=2, zero=3), 4)
     validate(tiny(dp=2, pp=2, zero=1), 4)  # ZeRO-1/2 compose with pipelines
+
+
+def _gathers_ahead_into_flat_storage(ctx) -> dict:
+    """One ZeRO-3 forward/backward, noting at every block's forward what was gathered where."""
+    from fivefold.layout import validate
+    from fivefold.train import build
+
+    config = validate(tiny(dp=2, zero=3, bucket_mb=0.05), 2)
+    mesh = ctx.mesh(config.layout)
+    model = build(config, mesh, torch.device("cpu"))
+    optimizer, chunk = model.optimizer, model.chunks[0]
+    flight = mesh.stats.flight
+    axis = optimizer.buckets[0].axis.name
+    issued_before = flight.issued.get(axis, 0)  # sequence numbers: the bounded record list may wrap
+    seen: list[dict] = []
+
+    def note(unit):
+        def hook(module, args) -> None:  # registered after the gatherer's: runs once it is done
+            newest = flight.newest()
+            seen.append({
+                "unit": unit.name,
+                "gathers_issued": flight.issued[axis] - issued_before,  # forward: all-gathers only
+                "newest": newest.op,
+                "views": all(
+                    seg.param.untyped_storage().data_ptr() == b.params.untyped_storage().data_ptr()
+                    and b.params.untyped_storage().nbytes() == b.numel * b.params.element_size()
+                    for b in unit.buckets
+                    for seg in b.segments
+                ),
+            })
+
+        return hook
+
+    for unit in optimizer.sync.units:
+        if unit.module is not chunk:
+            unit.module.register_forward_pre_hook(note(unit))
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(ctx.rank))
+    logits, _ = chunk(tokens)
+    logits.float().pow(2).mean().backward()
+    optimizer.finish_grad_sync()
+    return {"seen": seen, "units": [u.name for u in optimizer.sync.units]}
+
+
+def test_zero3_gathers_the_next_block_before_this_one_runs_straight_into_flat_storage(pools):
+    """Units in forward order: the root (embedding, norm, head), then the blocks. When block j
+    runs, the all-gathers of the root and blocks 0..j+1 have been issued (block j+1's ahead
+    of block j's forward), and every parameter of block j views its bucket's full flat storage
+    (gathered in place: no copy)."""
+    result = pools.run(2, _gathers_ahead_into_flat_storage)[0]
+    blocks = result["units"][1:]
+    assert [s["unit"] for s in result["seen"]] == blocks and len(blocks) >= 2
+    for j, s in enumerate(result["seen"]):
+        ahead = 1 if j + 1 < len(blocks) else 0
+        assert s["gathers_issued"] == 1 + (j + 1) + ahead, (s, j)
+        assert s["newest"] == "all_gather", s
+        assert s["views"], s
+
+
+def _zero_lands_in_place(ctx, stage: int) -> dict:
+    """After one ZeRO-1/2 step: where the gradient shard and the updated parameters live."""
+    from fivefold.data import Sampler, load_tokenizer, load_tokens
+    from fivefold.layout import validate
+    from fivefold.train import build, train_step
+
+    config = validate(tiny(dp=2, zero=stage, bucket_mb=0.05), 2)
+    model = build(config, ctx.mesh(config.layout), torch.device("cpu"))
+    optimizer = model.optimizer
+    shards_in_place = []
+    finish = optimizer.finish_grad_sync
+
+    def probed_finish() -> None:
+        finish()
+        if stage == 1:  # stage 2 holds no full gradient buffer to land in
+            shards_in_place.extend(
+                g.data_ptr() == b.grads[lo:hi].data_ptr()
+                for g, b, (lo, hi) in zip(optimizer.sync.grad_shards, optimizer.buckets, optimizer.ranges)
+            )
+
+    optimizer.finish_grad_sync = probed_finish
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    train_step(model, Sampler(data.train, config.train.seq_len, config.train.global_batch, 0), 0)
+    masters_are_flat = all(
+        m.data_ptr() == b.params[lo:hi].data_ptr()
+        for m, b, (lo, hi) in zip(optimizer.masters, optimizer.buckets, optimizer.ranges)
+    )
+    params_view_flat = all(
+        seg.param.untyped_storage().data_ptr() == b.params.untyped_storage().data_ptr()
+        for b in optimizer.buckets
+        for seg in b.segments
+    )
+    return {"shards_in_place": shards_in_place, "masters_are_flat": masters_are_flat, "views": params_view_flat,
+            "flat": torch.cat([b.params for b in optimizer.buckets])}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_reduces_and_gathers_in_place(pools, stage):
+    """ZeRO-1 reduce-scatters into this rank's slice of the flat gradients; stages 1-2 update
+    (fp32) that slice of the flat parameters and all-gather in place, with no copy of the
+    shard: the parameters still view the flat storage and both ranks hold the same values."""
+    results = pools.run(2, _zero_lands_in_place, stage)
+    for r in results:
+        assert r["masters_are_flat"] and r["views"]
+        if stage == 1:
+            assert r["shards_in_place"] and all(r["shards_in_place"])
+    assert torch.equal(results[0]["flat"], results[1]["flat"])

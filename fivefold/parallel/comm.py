@@ -186,6 +186,24 @@ def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "su
     return (out, work) if async_op else out
 
 
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False):
+    """Sum the flat `full` over the axis into the caller's flat buffer `out` (full.numel() / n).
+
+    For callers that own the destination (ZeRO lands a gradient shard in its own storage);
+    `out` may be this rank's slice of `full` (in place). Returns the work handle when async.
+    """
+    n = axis.size
+    if full.numel() != n * out.numel():
+        raise ValueError(f"reduce_scatter_into on axis {axis.name}: {full.numel()} != {n} x {out.numel()}")
+    if n == 1:
+        if out.data_ptr() != full.data_ptr():
+            out.copy_(full.reshape(out.shape))
+        return None
+    record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
+    work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
+    return _landed(axis, record, work)
+
+
 def broadcast(tensor: torch.Tensor, axis: Axis, src_group_rank: int = 0) -> torch.Tensor:
     if axis.size == 1:
         return tensor

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from ..mesh import Axis, Mesh
 from . import comm
-from .optim import AdamWSettings, Synchronised, adamw_update_, decays, master_copy
+from .optim import AdamWSettings, Synchronised, adamw_multi_update_, decays, master_copy
 from .protocols import GradFinalizer, GradientSynchroniser, ShardedState, ShardReader
 from .sharding import Placement, ShardSpec, get_placement, replica_count
 
@@ -401,12 +401,16 @@ def flat_adamw_(
 ) -> None:
     """AdamW on the elements [lo, hi) of a bucket; param/grad/state are (hi - lo,) tensors.
 
-    Consecutive parameters with the same weight-decay rule are updated in one call.
+    One multi-tensor kernel call per weight-decay rule, over the runs of consecutive
+    parameters that share it (the kernel's result per element does not depend on the runs).
     """
     exp_avg, exp_avg_sq = state
-    for start, end, decay in _decay_runs(bucket, lo, hi):
-        a, b = start - lo, end - lo
-        adamw_update_(param[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b], step, lr, settings, decay)
+    for decay in (True, False):
+        runs = [(start - lo, end - lo) for start, end, d in _decay_runs(bucket, lo, hi) if d == decay]
+        if runs:
+            pieces = ([t[a:b] for a, b in runs] for t in (param, grad, exp_avg, exp_avg_sq))
+            params, grads, exp_avgs, exp_avg_sqs = pieces
+            adamw_multi_update_(params, grads, exp_avgs, exp_avg_sqs, step, lr, settings, decay)
 
 
 def _decay_runs(bucket: FlatBucket, lo: int, hi: int) -> list[tuple[int, int, bool]]:

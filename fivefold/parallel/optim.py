@@ -2,8 +2,11 @@
 
 The update is one element-wise function shared by every layout: ZeRO applies it to flat
 shards, the plain optimizer to whole tensors, and both compute bit-for-bit the same numbers
-for the same elements. Gradients arrive already reduced (summed over data-parallel ranks,
-since each rank's loss is already divided by the tokens of the whole global batch).
+for the same elements. It runs torch's fused multi-tensor AdamW kernel (one pass over the
+parameters, gradients and moments) so that every element takes the kernel's vector path,
+whatever slice of a buffer a layout hands it. Gradients arrive already reduced (summed over
+data-parallel ranks, since each rank's loss is already divided by the tokens of the whole
+global batch).
 """
 
 from __future__ import annotations
@@ -65,6 +68,15 @@ def decays(ndim: int) -> bool:
     return ndim >= 2
 
 
+# The fused CPU kernel runs whole vectors and then a scalar tail, which computes in double
+# and so rounds differently; its thread split (at::parallel_for, chunk = ceil(n / threads))
+# adds a tail per chunk. Handing it only lengths that are multiples of LANES x threads puts
+# every element through the vector path, so an element's update does not depend on how a
+# layout slices the buffers (a bucket, a ZeRO shard, one tensor). 64 is a multiple of every
+# vector width (fp32 lanes: 4 to 16).
+FUSED_LANES = 64
+
+
 @torch.no_grad()
 def adamw_update_(
     param: torch.Tensor,
@@ -77,15 +89,77 @@ def adamw_update_(
     weight_decay: bool,
 ) -> None:
     """One decoupled-weight-decay Adam step (Loshchilov & Hutter 2019), in place, fp32 state."""
-    g = grad.to(exp_avg.dtype)
-    exp_avg.lerp_(g, 1 - settings.beta1)
-    exp_avg_sq.mul_(settings.beta2).addcmul_(g, g, value=1 - settings.beta2)
-    bias1 = 1 - settings.beta1**step
-    bias2 = 1 - settings.beta2**step
-    denom = (exp_avg_sq / bias2).sqrt_().add_(settings.eps)
-    if weight_decay and settings.weight_decay:
-        param.mul_(1 - lr * settings.weight_decay)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+    adamw_multi_update_([param], [grad], [exp_avg], [exp_avg_sq], step, lr, settings, weight_decay)
+
+
+@torch.no_grad()
+def adamw_multi_update_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step: int,
+    lr: float,
+    settings: AdamWSettings,
+    weight_decay: bool,
+) -> None:
+    """`adamw_update_` over lists of tensors with one weight-decay rule.
+
+    One fused multi-tensor kernel (torch._fused_adamw_, one pass over param, grad and both
+    moments) runs every element through its vector path: the bulk of each tensor in place,
+    the remainders (and any non-contiguous tensor whole) packed into one zero-padded scratch
+    block, whose zeros update to zeros, and copied back.
+    """
+    unit = FUSED_LANES * torch.get_num_threads()
+    bulks: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+    tails: list[tuple[torch.Tensor, ...]] = []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        g = g.to(m.dtype).contiguous()  # bf16 gradients: the update runs in the fp32 of the state
+        if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+            tails.append((p, g, m, v))  # updated through the scratch block, whole
+            continue
+        cut = p.numel() - p.numel() % unit
+        if cut:
+            for out, t in zip(bulks, (p, g, m, v)):
+                out.append(t.view(-1)[:cut])
+        if cut < p.numel():
+            tails.append(tuple(t.view(-1)[cut:] for t in (p, g, m, v)))
+    scratch = _padded_tails(tails, unit, params[0].dtype) if tails else None
+    if scratch is not None:
+        for out, row in zip(bulks, scratch):
+            out.append(row)
+    if bulks[0]:
+        steps = [torch.tensor(float(step), device=params[0].device)] * len(bulks[0])
+        no_amsgrad: list[torch.Tensor] = []
+        torch._fused_adamw_(
+            bulks[0], bulks[1], bulks[2], bulks[3], no_amsgrad, steps, lr=lr, beta1=settings.beta1,
+            beta2=settings.beta2, weight_decay=settings.weight_decay if weight_decay else 0.0, eps=settings.eps,
+            amsgrad=False, maximize=False,
+        )
+    if scratch is not None:
+        _unpack_tails(tails, scratch)
+
+
+def _padded_tails(tails: list[tuple[torch.Tensor, ...]], unit: int, dtype: torch.dtype) -> torch.Tensor:
+    """(4, k * unit) zeros holding the tails' param, grad, exp_avg, exp_avg_sq back to back."""
+    total = sum(t[0].numel() for t in tails)
+    scratch = torch.zeros(4, -(-total // unit) * unit, dtype=dtype, device=tails[0][0].device)
+    start = 0
+    for tail in tails:
+        n = tail[0].numel()
+        for row, t in zip(scratch, tail):
+            row[start : start + n].copy_(t.reshape(-1))
+        start += n
+    return scratch
+
+
+def _unpack_tails(tails: list[tuple[torch.Tensor, ...]], scratch: torch.Tensor) -> None:
+    start = 0
+    for p, _, m, v in tails:
+        n = p.numel()
+        for t, row in ((p, scratch[0]), (m, scratch[2]), (v, scratch[3])):
+            t.copy_(row[start : start + n].view(t.shape))
+        start += n
 
 
 def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> torch.Tensor:

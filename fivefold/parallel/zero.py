@@ -146,12 +146,14 @@ class ZeroGradientSync:
         i = bucket.index
         if self.stage == 1:
             wire = bucket.grads.to(self.settings.reduce_dtype)  # the buffer itself when the dtypes agree
-            out, work = comm.reduce_scatter(wire, bucket.axis, async_op=True)
             lo, hi = self.ranges[i]
+            # In place: the sum lands in this rank's slice of the buffer it was summed from.
+            work = comm.reduce_scatter_into(wire[lo:hi], wire, bucket.axis, async_op=True)
 
             def land() -> None:
                 own = bucket.grads[lo:hi]
-                own.copy_(out)
+                if wire is not bucket.grads:
+                    own.copy_(wire[lo:hi])  # the sum, stored back in the gradients' dtype
                 self.grad_shards[i] = own
 
             return Pending(work, land, keep=(wire,))
@@ -194,11 +196,15 @@ class ZeroGradientSync:
                 if shard is not master:
                     shard.copy_(master)
             return
-        gathers = []
-        for bucket, master in zip(self.buckets, masters):
-            updated = master.to(self.settings.param_dtype, copy=True)
-            gathers.append((comm.all_gather_into(flat_params(bucket), updated, bucket.axis, async_op=True), updated))
-        for work, _ in gathers:
+        works = []
+        for bucket, master, (lo, hi) in zip(self.buckets, masters, self.ranges):
+            flat = flat_params(bucket)
+            own = flat[lo:hi]
+            if master.data_ptr() != own.data_ptr():  # bf16 parameters: the fp32 master, cast into place
+                own.copy_(master)
+            # In place: every rank's slice of the flat storage is already where it belongs.
+            works.append(comm.all_gather_into(flat, own, bucket.axis, async_op=True))
+        for work in works:
             if work is not None:
                 work.wait()
 
@@ -331,10 +337,12 @@ class ParameterGatherer:
     """Gathers and frees stage-3 units around their forward and backward, with prefetch.
 
     A bucket is "free" (flat storage of size 0), "gathering" (an all-gather in flight) or
-    "full". Hooks: before a unit's forward, make it full and start gathering the next unit;
-    after it, free it and hang `_GatherBeforeBackward` on its outputs; that backward makes
-    the unit full again and prefetches the previous unit. The reducer frees each bucket once
-    all its gradients have arrived.
+    "full". Hooks: before a unit's forward, issue the next unit's gather and then wait for
+    this one (so the next is queued before this unit computes); after it, free it and hang
+    `_GatherBeforeBackward` on its outputs; that backward makes the unit full again the same
+    way, with the unit whose backward follows issued ahead. All-gathers write straight into
+    the flat storage the parameters view. The reducer frees each bucket once all its
+    gradients have arrived.
     """
 
     def __init__(self, units: list[Unit], shards: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
@@ -355,8 +363,11 @@ class ParameterGatherer:
                 self.works[id(b)] = comm.all_gather_into(b.params, self.shard_of[id(b)], b.axis, async_op=True)
                 self.status[id(b)] = "gathering"
 
-    def ensure_full(self, unit: Unit) -> None:
+    def ensure_full(self, unit: Unit, then: Unit | None = None) -> None:
+        """Make `unit` full; `then` (the unit needed next) is issued before waiting, so its
+        gather queues right behind this one's instead of after the computation that follows."""
         self.gather_async(unit)
+        self.gather_async(then)
         for b in unit.buckets:
             self._wait(b)
 
@@ -388,15 +399,13 @@ class ParameterGatherer:
 
     def _pre_forward(self, unit: Unit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            self.ensure_full(unit)
-            self.gather_async(unit.next_forward)
+            self.ensure_full(unit, then=unit.next_forward)
 
         return hook
 
     def _post_forward(self, unit: Unit) -> Callable:
         def before_backward() -> None:
-            self.ensure_full(unit)
-            self.gather_async(unit.next_backward)
+            self.ensure_full(unit, then=unit.next_backward)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             self.free_unit(unit)
