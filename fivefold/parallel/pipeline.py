@@ -16,10 +16,12 @@ Executor
     received from the next stage.
 
 Zero-bubble weight step
-    Under a schedule with BACKWARD_INPUT / BACKWARD_WEIGHT actions (zb-h1) the forward runs
-    under `DeferWeightGrads`, a torch-function mode that routes every bias-free `F.linear`
-    on one of the chunk's parameters (attention and MLP projections, the router, the head,
-    their tensor-parallel versions) through `_DeferredLinear`. Its backward returns only the
+    Under a schedule with BACKWARD_INPUT / BACKWARD_WEIGHT actions (zb-h1) the runner
+    installs, once at build time, a `WeightGradDeferral` on each chunk: hooks on every
+    module owning a 2-D weight (attention and MLP projections, the router, the head, their
+    tensor-parallel versions) run that module's forward under `DeferWeightGrads`, a
+    torch-function mode that routes its bias-free `F.linear` on the module's weight
+    through `_DeferredLinear`; the rest of the forward runs untouched. Its backward returns only the
     input gradient and leaves (input, output gradient) behind, so the input-gradient step
     (B) is a full backward minus those matmuls and frees the graph; the gradients of the
     other parameters (norms, embedding, expert weights) are computed in B but held, not
@@ -159,12 +161,13 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 class DeferWeightGrads(TorchFunctionMode):
-    """While active, `F.linear(x, W)` with W one of `weights` defers W's gradient to `pending`."""
+    """While active, `F.linear(x, W)` with W one of `weights` defers W's gradient to `pending`
+    and records id(W) in `deferred`."""
 
-    def __init__(self, weights: set[int], pending: list[PendingWeightGrad]) -> None:
+    def __init__(self, weights: set[int], pending: list[PendingWeightGrad], deferred: set[int] | None = None) -> None:
         super().__init__()
         self.weights, self.pending = weights, pending
-        self.deferred: set[int] = set()  # ids of the weights routed here
+        self.deferred: set[int] = set() if deferred is None else deferred  # ids of the weights routed here
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -183,19 +186,115 @@ class DeferWeightGrads(TorchFunctionMode):
         return bias is None and torch.is_grad_enabled() and weight.requires_grad and id(weight) in self.weights
 
 
-def apply_deferred_weight_grads(pending: list[PendingWeightGrad], held: dict | None = None) -> None:
+class WeightGradDeferral:
+    """Routes the weight gradients of one chunk's linear layers to the weight step (W).
+
+    Installed once, when the runner is built for a schedule with a W step: a forward
+    pre-hook and hook on every module that owns a 2-D weight (the attention and MLP
+    projections, their tensor-parallel versions, the router, the head) put
+    `DeferWeightGrads` around that module's own forward. No other operation of the
+    forward passes through Python (a mode around the whole forward intercepted every
+    one, which cost ~10% of the forward). The hooks do nothing outside `collect`, so
+    evaluation and any other use of the chunk run the plain modules.
+    """
+
+    def __init__(self, chunk: torch.nn.Module) -> None:
+        self.weights = {id(p) for p in chunk.parameters() if p.requires_grad}
+        self._target: tuple[list[PendingWeightGrad], set[int]] | None = None  # set by `collect`
+        self._modes: list[DeferWeightGrads | None] = []  # one entry per module forward in progress
+        for module in chunk.modules():
+            weight = module._parameters.get("weight")
+            if weight is not None and weight.ndim == 2 and weight.requires_grad:
+                module.register_forward_pre_hook(self._enter)
+                module.register_forward_hook(self._exit, always_call=True)
+
+    @contextlib.contextmanager
+    def collect(self, pending: list[PendingWeightGrad]) -> Iterator[set[int]]:
+        """Defer inside: (x, dy) pairs go to `pending`; yields the ids of the deferred weights."""
+        deferred: set[int] = set()
+        self._target = (pending, deferred)
+        try:
+            yield deferred
+        finally:
+            self._target = None
+
+    def _enter(self, module: torch.nn.Module, args) -> None:
+        mode = None
+        if self._target is not None and torch.is_grad_enabled():
+            mode = DeferWeightGrads(self.weights, *self._target)
+            mode.__enter__()
+        self._modes.append(mode)
+
+    def _exit(self, module: torch.nn.Module, args, output) -> None:
+        mode = self._modes.pop()
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+
+class _GradientLink(torch.autograd.Function):
+    """One link of the weight step's chain: identity on `link` whose backward hands
+    `param` the gradient `compute()` makes at that moment.
+
+    Autograd runs a parameter's accumulation as soon as its gradient is ready (before the
+    next link), so the weight step holds one weight gradient at a time instead of all of
+    them: materialising every dW of a chunk at once made the allocator grow and trim the
+    heap by that much per micro-batch, and the page faults cost ~20% of the step's W time.
+    """
+
+    @staticmethod
+    def forward(ctx, link: torch.Tensor, param: torch.Tensor, compute):
+        ctx.compute = compute
+        return link.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad if ctx.needs_input_grad[0] else None, ctx.compute(), None
+
+
+def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: torch.Tensor | None):
+    """A function computing `param`'s whole gradient of one micro-batch: what B held plus
+    dy^T x of each deferred use of it; it drops (x, dy) as it goes."""
+
+    def compute() -> torch.Tensor | None:
+        grad = held
+        while items:
+            item = items.pop(0)
+            dy, x = item.output_grad, item.input
+            dw = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(param.dtype)
+            grad = dw if grad is None else dw + grad
+        return grad
+
+    return compute
+
+
+def apply_deferred_weight_grads(pending: list[PendingWeightGrad], held: dict | None = None,
+                                order: list[torch.Tensor] | None = None) -> None:
     """The weight step: every deferred dW = dy^T x, plus the gradients B `held` (id ->
-    (parameter, gradient)), accumulated into the parameters by one autograd call."""
-    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = dict(held or {})
+    (parameter, gradient)), accumulated into the parameters by one autograd call, so a
+    backward-end callback (ZeRO's per-backward reduction) sees one backward.
+
+    Parameters are accumulated in `order` (the chunk's parameters; those absent follow in
+    the order they were deferred), each gradient computed just before its accumulation.
+    """
+    uses: dict[int, list[PendingWeightGrad]] = {}
+    params: dict[int, torch.Tensor] = {}
     for item in pending:
-        dy, x = item.output_grad, item.input
-        grad = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(item.weight.dtype)
-        key = id(item.weight)
-        grads[key] = (item.weight, grad + grads[key][1] if key in grads else grad)
-    if grads:
-        weights, values = zip(*grads.values())
-        torch.autograd.backward(list(weights), list(values))
+        uses.setdefault(id(item.weight), []).append(item)
+        params[id(item.weight)] = item.weight
+    held = held or {}
+    params.update({key: param for key, (param, _) in held.items()})
+    ranked = [id(p) for p in (order or []) if id(p) in params]
+    keys = ranked + [key for key in params if key not in set(ranked)]
     pending.clear()
+    if not keys:
+        return
+    link = torch.zeros(())
+    for key in reversed(keys):  # the last link built runs first
+        grad = held[key][1] if key in held else None
+        link = _GradientLink.apply(link, params[key], _weight_gradient(params[key], uses.get(key, []), grad))
+    held.clear()
+    uses.clear()
+    torch.autograd.backward([link], [torch.zeros(())])
 
 
 # ---------------------------------------------------------------------------------- runner
@@ -281,7 +380,8 @@ class PipelineRunner:
         # Full recomputation replays a block's forward inside backward, where the deferring
         # mode is not active: its saved tensors would not match, so W is then empty (B does all).
         self.split_weight_grads = any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full"
-        self.param_ids = [{id(p) for p in params} for params in self.params]
+        self.params_reversed = [params[::-1] for params in self.params]  # W accumulates as backward would
+        self.deferrals = [WeightGradDeferral(chunk) for chunk in self.chunks] if self.split_weight_grads else []
         self.timeline = None  # a fivefold.timeline.Timeline to record the next steps
         self.measure_memory = False
         self.memory = StepMemory(0, 0)
@@ -369,7 +469,7 @@ class PipelineRunner:
         train = self.config.train
         pending: list[PendingWeightGrad] = []
         deferral = self._deferral(action.chunk, pending, training)
-        with self._count_saved(chunk) as saved, autocast_for(self.config, device), deferral:
+        with self._count_saved(chunk) as saved, autocast_for(self.config, device), deferral as deferred:
             out, aux = chunk(x, batch.positions, batch.documents)
             ce = self.model.loss_fn(out, batch.targets) if stage == self.last_stage else None
         if ce is not None:
@@ -388,7 +488,7 @@ class PipelineRunner:
             output = out.to(self.boundary_dtype)
             heads = [output] + aux_loss
         st.units[key] = _Unit(x if stage > 0 else None, heads, output, saved[0], pending_weight_grads=pending,
-                              deferred=getattr(deferral, "deferred", set()))
+                              deferred=deferred or set())
         st.live_bytes += saved[0]
         st.peak_bytes = max(st.peak_bytes, st.live_bytes)
         st.peak_units = max(st.peak_units, len(st.units))
@@ -402,7 +502,7 @@ class PipelineRunner:
             self._input_step(unit, action.chunk, st, key)
             return
         if action.kind is K.BACKWARD_WEIGHT:  # B already freed the graph: only the deferred matmuls
-            apply_deferred_weight_grads(unit.pending_weight_grads, unit.held_grads)
+            apply_deferred_weight_grads(unit.pending_weight_grads, unit.held_grads, self.params_reversed[action.chunk])
         else:
             torch.autograd.backward(unit.heads, unit.output_grads)
             if unit.input is not None:
@@ -421,9 +521,9 @@ class PipelineRunner:
         unit.heads = []  # the graph is freed; W needs only what B left behind
 
     def _deferral(self, chunk: int, pending: list[PendingWeightGrad], training: bool):
-        if not (training and self.split_weight_grads):
+        if not (training and self.deferrals):
             return contextlib.nullcontext()
-        return DeferWeightGrads(self.param_ids[chunk], pending)
+        return self.deferrals[chunk].collect(pending)
 
     @contextlib.contextmanager
     def _count_saved(self, chunk: Transformer) -> Iterator[list[int]]:
