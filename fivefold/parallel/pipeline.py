@@ -11,7 +11,8 @@ Stage split
 Executor
     `PipelineRunner` walks this rank's list of a table from `schedules.py`: compute actions
     run on the local chunk, each run of communication actions is one batched
-    point-to-point call. A stage output is freed as soon as it has been sent (its autograd
+    point-to-point call whose receives are waited for only by the compute that consumes
+    them (so a rank never waits on its neighbour for data it does not need yet). A stage output is freed as soon as it has been sent (its autograd
     node stays, which is all backward needs) and backward starts from it with the gradient
     received from the next stage.
 
@@ -346,6 +347,7 @@ class _StepState:
     grads: dict = field(default_factory=dict)  # received output gradients
     input_grads: dict = field(default_factory=dict)  # gradients to send back
     pending_sends: list = field(default_factory=list)  # (work, output to free or None)
+    arrivals: dict = field(default_factory=dict)  # (receive kind, micro-batch, chunk) -> work in flight
     live_bytes: int = 0
     peak_bytes: int = 0
     peak_units: int = 0
@@ -428,7 +430,7 @@ class PipelineRunner:
         if self.timeline is not None:
             self.timeline.stop()
         left = {k: len(v) for k, v in (("units", st.units), ("acts", st.acts), ("grads", st.grads),
-                                       ("input_grads", st.input_grads)) if v}
+                                       ("input_grads", st.input_grads), ("arrivals", st.arrivals)) if v}
         if left:
             raise RuntimeError(f"pipeline rank {self.rank}: buffers left after the schedule: {left}")
         self.memory = StepMemory(st.peak_units, st.peak_bytes)
@@ -440,11 +442,20 @@ class PipelineRunner:
                 with self._record("comm", first):
                     self._communicate(step, st, training)
                 continue
+            self._await_input(first, st)
             with self._record(first.kind.value, first), self._sync_context(first, training):
                 if first.kind is K.FORWARD:
                     self._forward(first, st, training)
                 else:
                     self._backward(first, st)
+
+    def _await_input(self, action: Action, st: _StepState) -> None:
+        """Wait for the receive this compute consumes, if it is still in flight."""
+        kind = K.RECV_ACT if action.kind is K.FORWARD else K.RECV_GRAD
+        work = st.arrivals.pop((kind, action.microbatch, action.chunk), None)
+        if work is not None:
+            with self._record("comm", action):
+                work.wait()
 
     def _record(self, kind: str, action: Action) -> contextlib.AbstractContextManager:
         if self.timeline is None:
@@ -556,10 +567,13 @@ class PipelineRunner:
                            device=inputs.device)
 
     def _communicate(self, step: tuple[Action, ...], st: _StepState, training: bool) -> None:
-        """Post one batch; wait for its receives. Sends complete in the background: a send
-        never has to wait for the peer to reach its matching receive, and a sent output is
-        freed once its send is done."""
-        sends, recvs, sent_outputs = [], [], []
+        """Post one batch. Sends complete in the background: a send never has to wait for the
+        peer to reach its matching receive, and a sent output is freed once its send is done.
+        A receive is waited for just before the compute that consumes it (`_await_input`),
+        not here: the table may place it a compute or two early (where both ends meet in the
+        planned timeline), and waiting there would make a rank wait for its neighbour's
+        jitter on data it does not need yet."""
+        sends, recvs, sent_outputs, arriving = [], [], [], []
         for a in step:
             key = (a.microbatch, a.chunk)
             if a.kind is K.SEND_ACT:
@@ -573,6 +587,7 @@ class PipelineRunner:
                 buffer = self._boundary(st, a.microbatch)
                 (st.acts if a.kind is K.RECV_ACT else st.grads)[key] = buffer
                 recvs.append((buffer, a.peer))
+                arriving.append((a.kind, *key))
         works = comm.send_recv(self.mesh.pp, sends, recvs)
         if len(works) != len(sends) + len(recvs):  # one handle for a coalesced batch (NCCL)
             st.pending_sends += [(work, None) for work in works]
@@ -581,8 +596,7 @@ class PipelineRunner:
                 release_storage(output)
             return
         st.pending_sends += list(zip(works[: len(sends)], sent_outputs))
-        for work in works[len(sends) :]:
-            work.wait()
+        st.arrivals.update(zip(arriving, works[len(sends) :]))
         self._complete_sends(st, wait=False)
 
     def _complete_sends(self, st: _StepState, wait: bool) -> None:

@@ -15,7 +15,10 @@ The executor contract
        synchronously on the local chunk ``action.chunk`` for ``action.microbatch``.
     3. A maximal run of consecutive communication actions is ONE batch: post all of them
        with a single ``torch.distributed.batch_isend_irecv`` call, in list order, and wait
-       for every request of the batch before moving on. :func:`group_steps` does the
+       for every request of the batch before moving on (an executor may wait later: for
+       a receive, just before the compute that consumes it; for a send, at any time
+       before its buffer is reused; waiting later never adds a wait, so it cannot add a
+       deadlock either). :func:`group_steps` does the
        grouping. Post them in list order: point-to-point messages between two ranks are
        matched first-in first-out, and the tables are built so that the n-th send from
        rank a to rank b is the n-th receive of rank b from rank a.
