@@ -209,8 +209,9 @@ def _largest(value: float, axis) -> float:
 
 
 def idle_breakdown(rows: list) -> list[dict[str, float]]:
-    """Per rank, seconds of the step not computing: before the first compute, after the last
-    (the pipeline's fill and drain), in transfers (waits included) and in between (Python)."""
+    """Per rank, seconds computing (busy: equal across ranks when the stages are balanced) and
+    not computing: before the first compute, after the last (the pipeline's fill and drain), in
+    transfers (waits included) and in between (Python)."""
     span = max(e.end for row in rows for e in row)
     out = []
     for row in rows:
@@ -218,7 +219,8 @@ def idle_breakdown(rows: list) -> list[dict[str, float]]:
         first, last = compute[0].start, compute[-1].end
         transfers = sum(e.seconds for e in row if e.kind not in COMPUTE_KINDS and first <= e.start < last)
         inside = last - first - sum(e.seconds for e in compute)
-        out.append({"start": first, "end": span - last, "transfers": transfers, "between": inside - transfers})
+        out.append({"busy": sum(e.seconds for e in compute), "start": first, "end": span - last,
+                    "transfers": transfers, "between": inside - transfers})
     return out
 
 
