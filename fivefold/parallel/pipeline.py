@@ -137,7 +137,7 @@ class PendingWeightGrad:
     """What a deferred linear left for the weight step: dW = dy^T x."""
 
     weight: torch.Tensor
-    input: torch.Tensor  # x as the matmul saw it (autocast dtype)
+    input: torch.Tensor  # x (W casts it to dy's dtype, as autocast did for the matmul)
     output_grad: torch.Tensor  # dy
 
 
@@ -190,13 +190,19 @@ class DeferWeightGrads(TorchFunctionMode):
 class WeightGradDeferral:
     """Routes the weight gradients of one chunk's linear layers to the weight step (W).
 
-    Installed once, when the runner is built for a schedule with a W step: a forward
-    pre-hook and hook on every module that owns a 2-D weight (the attention and MLP
-    projections, their tensor-parallel versions, the router, the head) put
-    `DeferWeightGrads` around that module's own forward. No other operation of the
-    forward passes through Python (a mode around the whole forward intercepted every
-    one, which cost ~10% of the forward). The hooks do nothing outside `collect`, so
-    evaluation and any other use of the chunk run the plain modules.
+    Installed once, when the runner is built for a schedule with a W step, as hooks on
+    every module that owns a 2-D weight; they do nothing outside `collect`, so evaluation
+    and any other use of the chunk run the plain modules.
+
+    A bias-free `nn.Linear` (attention and MLP projections, the router, the head) runs
+    natively: a forward hook keeps its input x and hooks its output for dy. The weight's
+    gradient is then simply not computed in B, which asks autograd only for the input
+    gradient and the other parameters' gradients (autograd skips the weight half of each
+    matmul's backward that nobody asked for). Other modules owning a 2-D weight (the
+    tensor-parallel linears, whose matmul input is not the module's input under sequence
+    parallelism) run their own forward under `DeferWeightGrads`. No other operation of the
+    forward passes through Python (a mode around the whole forward intercepted every one,
+    which cost ~10% of the forward).
     """
 
     def __init__(self, chunk: torch.nn.Module) -> None:
@@ -205,19 +211,35 @@ class WeightGradDeferral:
         self._modes: list[DeferWeightGrads | None] = []  # one entry per module forward in progress
         for module in chunk.modules():
             weight = module._parameters.get("weight")
-            if weight is not None and weight.ndim == 2 and weight.requires_grad:
+            if weight is None or weight.ndim != 2 or not weight.requires_grad:
+                continue
+            if isinstance(module, torch.nn.Linear) and module.bias is None:
+                module.register_forward_hook(self._keep_input_and_output_grad)
+            else:
                 module.register_forward_pre_hook(self._enter)
                 module.register_forward_hook(self._exit, always_call=True)
 
     @contextlib.contextmanager
     def collect(self, pending: list[PendingWeightGrad]) -> Iterator[set[int]]:
-        """Defer inside: (x, dy) pairs go to `pending`; yields the ids of the deferred weights."""
+        """Defer inside: (x, dy) pairs go to `pending`; yields the ids of the deferred weights.
+
+        The caller's backward must not ask for the deferred weights' gradients (B asks
+        `torch.autograd.grad` for the others only); W computes them from `pending`.
+        """
         deferred: set[int] = set()
         self._target = (pending, deferred)
         try:
             yield deferred
         finally:
             self._target = None
+
+    def _keep_input_and_output_grad(self, module: torch.nn.Module, args, output: torch.Tensor) -> None:
+        if self._target is None or not (torch.is_grad_enabled() and output.requires_grad):
+            return
+        pending, deferred = self._target
+        weight, x = module.weight, args[0]
+        deferred.add(id(weight))
+        output.register_hook(lambda dy: pending.append(PendingWeightGrad(weight, x, dy)))
 
     def _enter(self, module: torch.nn.Module, args) -> None:
         mode = None
@@ -260,7 +282,7 @@ def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: 
         grad = held
         while items:
             item = items.pop(0)
-            dy, x = item.output_grad, item.input
+            dy, x = item.output_grad, item.input.to(item.output_grad.dtype)  # autocast's cast of x, if any
             dw = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(param.dtype)
             grad = dw if grad is None else dw + grad
         return grad
