@@ -233,7 +233,7 @@ class WeightGradDeferral:
         finally:
             self._target = None
 
-    def _keep_input_and_output_grad(self, module: torch.nn.Module, args, output: torch.Tensor) -> None:
+    def _keep_input_and_output_grad(self, module: torch.nn.Linear, args, output: torch.Tensor) -> None:
         if self._target is None or not (torch.is_grad_enabled() and output.requires_grad):
             return
         pending, deferred = self._target
@@ -595,20 +595,24 @@ class PipelineRunner:
         not here: the table may place it a compute or two early (where both ends meet in the
         planned timeline), and waiting there would make a rank wait for its neighbour's
         jitter on data it does not need yet."""
-        sends, recvs, sent_outputs, arriving = [], [], [], []
+        sends: list[tuple[torch.Tensor, int]] = []
+        recvs: list[tuple[torch.Tensor, int]] = []
+        sent_outputs: list[torch.Tensor | None] = []
+        arriving: list[tuple[ActionKind, int, int]] = []
         for a in step:
-            key = (a.microbatch, a.chunk)
+            key, peer = (a.microbatch, a.chunk), a.peer
+            assert peer is not None, f"{a} names no peer"  # every communication action of a table does
             if a.kind is K.SEND_ACT:
                 unit = st.units[key] if training else st.units.pop(key)
-                sends.append((unit.output.detach(), a.peer))
+                sends.append((unit.output.detach(), peer))
                 sent_outputs.append(unit.output if training else None)
             elif a.kind is K.SEND_GRAD:
-                sends.append((st.input_grads.pop(key), a.peer))
+                sends.append((st.input_grads.pop(key), peer))
                 sent_outputs.append(None)
             else:
                 buffer = self._boundary(st, a.microbatch)
                 (st.acts if a.kind is K.RECV_ACT else st.grads)[key] = buffer
-                recvs.append((buffer, a.peer))
+                recvs.append((buffer, peer))
                 arriving.append((a.kind, *key))
         works = comm.send_recv(self.mesh.pp, sends, recvs)
         if len(works) != len(sends) + len(recvs):  # one handle for a coalesced batch (NCCL)

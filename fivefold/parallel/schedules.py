@@ -653,10 +653,12 @@ class _Simulation:
             s.matched = r.matched = max(s.posted, r.posted)
 
     def finish_batch(self, rank: int, st: _Rank) -> bool:
-        if any(op.matched is None for op in st.batch):
+        batch = st.batch or []
+        matched = [op.matched for op in batch]
+        if any(t is None for t in matched):
             return False
-        st.clock = max(st.clock, max(op.matched for op in st.batch) + self.comm_time)
-        for op in st.batch:
+        st.clock = max(st.clock, max(t for t in matched if t is not None) + self.comm_time)
+        for op in batch:
             key = (op.action.microbatch, op.action.chunk)
             if op.action.kind is ActionKind.RECV_ACT:
                 st.got_act.add(key)
