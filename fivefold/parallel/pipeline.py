@@ -401,8 +401,8 @@ class PipelineRunner:
         self.boundary_dtype = torch.float32  # the residual stream stays fp32 under autocast
         self.sp_factor = layout.tp if layout.sequence_parallel else 1
         self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
-        # Full recomputation replays a block's forward inside backward, where the deferring
-        # mode is not active: its saved tensors would not match, so W is then empty (B does all).
+        # Full recomputation replays a block's forward inside backward, where the deferral
+        # does not collect: nothing would be deferred, so W is then empty (B does all).
         self.split_weight_grads = any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full"
         self.params_reversed = [params[::-1] for params in self.params]  # W accumulates as backward would
         self.deferrals = [WeightGradDeferral(chunk) for chunk in self.chunks] if self.split_weight_grads else []
