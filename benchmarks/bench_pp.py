@@ -11,13 +11,25 @@ per-round time ratios against torch's GPipe. The bubble of each case is measured
 modelled: every rank records when it computes (fivefold's timeline; autograd markers
 around torch's stage modules) and bubble = 1 - sum(busy) / (stages x step time).
 
-torch has no ZB-H1 for one stage per rank, so `--schedules 1f1b,zb-h1` times fivefold's
-zero-bubble schedule against fivefold's 1F1B (and torch's) in the same run.
+torch has no ZB-H1 for one stage per rank, so zb-h1 is timed against fivefold's 1F1B (and
+torch's) in the same run.
+
+Evidence that does not depend on the machine's load is printed beside the times: the CPU
+seconds each rank's main thread spends in one step (the work a schedule does, whatever the
+waits), and where each rank's idle time of the traced step went (before its first compute,
+after its last, waiting on transfers, between actions).
+
+`--malloc retain` makes glibc keep freed memory (no heap trimming, no mmap per large tensor)
+for every case alike, as jemalloc or tcmalloc would: the zero-bubble schedule keeps each
+micro-batch's (x, dy) from its B to its W step, an allocation pattern for which glibc's
+default trims and regrows the heap, and the page faults cost it ~10% of its CPU time.
+Peak RSS per case means little then (freed memory stays resident).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import statistics
@@ -35,7 +47,8 @@ from fivefold.mesh import Mesh
 from fivefold.parallel import comm
 from fivefold.parallel.schedules import stage_of
 from fivefold.parallelize import cross_entropy_sum
-from fivefold.timeline import Timeline, bubble_formula, busy_seconds
+from fivefold.stages import bubble_units
+from fivefold.timeline import COMPUTE_KINDS, Timeline, bubble_formula, busy_seconds, gather_rows
 from fivefold.train import build, local_micro_batches
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
@@ -149,25 +162,77 @@ def _bubble(busy: float, span: float, axis) -> float:
 
 
 def measure_bubbles(measured: dict, mesh: Mesh, repeats: int = 3) -> dict:
-    """Median measured bubble of each case over a few untimed steps."""
+    """Median measured bubble of each case over a few untimed steps, the median CPU seconds of a
+    step (the largest over ranks), and where fivefold's idle time went in its median step."""
     out = {}
     for name, (model, micro, busy, ours, theirs) in measured.items():
-        ff, tt = [], []
+        ff, tt, cpu_ff, cpu_tt = [], [], [], []
         for _ in range(repeats):
             model.runner.timeline = Timeline()
             comm.all_reduce(torch.zeros(1), mesh.pp)
+            cpu = time.thread_time()
             ours()
+            cpu_ff.append(_largest(time.thread_time() - cpu, mesh.pp))
             timeline, model.runner.timeline = model.runner.timeline, None
-            ff.append(_bubble(busy_seconds(timeline.events), timeline.span, mesh.pp))
+            ff.append((_bubble(busy_seconds(timeline.events), timeline.span, mesh.pp), gather_rows(timeline, mesh.pp)))
             if theirs is None:
                 tt.append(float("nan"))
                 continue
             comm.all_reduce(torch.zeros(1), mesh.pp)
-            busy.seconds, start = 0.0, time.perf_counter()
+            busy.seconds, start, cpu = 0.0, time.perf_counter(), time.thread_time()
             theirs()
+            cpu_tt.append(_largest(time.thread_time() - cpu, mesh.pp))
             tt.append(_bubble(busy.seconds, time.perf_counter() - start, mesh.pp))
-        out[name] = (sorted(ff)[repeats // 2], sorted(tt)[repeats // 2])
+        bubble, rows = sorted(ff, key=lambda pair: pair[0])[repeats // 2]
+        out[name] = {"fivefold": bubble, "torch": sorted(tt)[repeats // 2], "idle": idle_breakdown(rows),
+                     "mean_ms": {kind: 1e3 * statistics.mean(e.seconds for row in rows for e in row if e.kind == kind)
+                                 for kind in sorted({e.kind for row in rows for e in row} & COMPUTE_KINDS)},
+                     "cpu_s": {"fivefold": statistics.median(cpu_ff),
+                               "torch": statistics.median(cpu_tt) if cpu_tt else float("nan")}}
     return out
+
+
+def formula_at(name: str, pp: int, m: int, vpp: int, measured: dict) -> float:
+    """The papers' bubble share with this run's mean F / B / W durations instead of F = B = W
+    (only zero-bubble's depends on them: its W fills the drain only as far as W lasts)."""
+    t = measured["mean_ms"]
+    if name != "zb-h1" or not {"F", "I", "W"} <= set(t):
+        return bubble_formula(name, pp, m, vpp)
+    units = bubble_units(name, pp, m, vpp, t["F"], t["I"], t["W"])
+    return units / (m + units)
+
+
+def _largest(value: float, axis) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    comm.all_reduce(t, axis, op="max")
+    return float(t[0])
+
+
+def idle_breakdown(rows: list) -> list[dict[str, float]]:
+    """Per rank, seconds computing (busy: equal across ranks when the stages are balanced) and
+    not computing: before the first compute, after the last (the pipeline's fill and drain), in
+    transfers (waits included) and in between (Python)."""
+    span = max(e.end for row in rows for e in row)
+    out = []
+    for row in rows:
+        compute = [e for e in row if e.kind in COMPUTE_KINDS]
+        first, last = compute[0].start, compute[-1].end
+        transfers = sum(e.seconds for e in row if e.kind not in COMPUTE_KINDS and first <= e.start < last)
+        inside = last - first - sum(e.seconds for e in compute)
+        out.append({"busy": sum(e.seconds for e in compute), "start": first, "end": span - last,
+                    "transfers": transfers, "between": inside - transfers})
+    return out
+
+
+def retain_freed_memory() -> None:
+    """glibc: serve large tensors from the heap and never trim it (what jemalloc/tcmalloc do)."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except OSError:
+        raise SystemExit("--malloc retain tunes glibc's allocator (Linux); run with --malloc default here") from None
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 1 << 30)
+    mallopt(m_trim_threshold, 1 << 62)
 
 
 def main() -> None:
@@ -176,11 +241,15 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1")
+    parser.add_argument("--malloc", choices=("default", "retain"), default="default",
+                        help="retain: glibc keeps freed memory for every case (see the module docstring)")
     parser.add_argument("--json", default="")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.seq_len=64")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.malloc == "retain":
+        retain_freed_memory()
     dist.init_process_group("gloo")
     pp = dist.get_world_size()
     config = load_config(args.config, [f"layout.pp={pp}", f"layout.grad_accum={args.micro_batches}", *args.overrides])
@@ -192,23 +261,33 @@ def main() -> None:
     results = alternate(cases, warmup=args.warmup, rounds=args.rounds, sync=dist.barrier)
     gather_peak_rss(results)
     bubbles = measure_bubbles(measured, mesh)
-    meta = {"pp": pp, "micro_batches": args.micro_batches, "config": args.config, "overrides": args.overrides}
-    for name, (ours, theirs) in bubbles.items():
+    meta = {"pp": pp, "micro_batches": args.micro_batches, "config": args.config, "overrides": args.overrides,
+            "malloc": args.malloc}
+    for name, measured_bubble in bubbles.items():
         vpp = 2 if name == "interleaved" else 1
-        meta[f"bubble {name}"] = {"fivefold": ours, "torch": theirs,
-                                  "formula": bubble_formula(name, pp, args.micro_batches, vpp)}
-    first = args.schedules.split(",")[0]
+        meta[f"bubble {name}"] = measured_bubble | {"formula": bubble_formula(name, pp, args.micro_batches, vpp),
+                                                    "formula_at_measured_times": formula_at(name, pp, args.micro_batches,
+                                                                                            vpp, measured_bubble)}
+    schedules = args.schedules.split(",")
+    first = next(name for name in schedules if name not in OURS_ONLY)  # a case torch runs too
+    ours_only_peer = "fivefold 1f1b" if "1f1b" in schedules else f"fivefold {first}"
     comparison = compare(f"pipeline schedules, pp={pp}, m={args.micro_batches}", results, f"torch {first}", meta)
     if mesh.rank == 0:
         print_table(comparison)
         for name in bubbles:
             b = meta[f"bubble {name}"]
-            peer = f"torch {name}" if name not in OURS_ONLY else f"fivefold {first}"
+            peer = f"torch {name}" if name not in OURS_ONLY else ours_only_peer
             pairs = zip(results[f"fivefold {name}"].seconds, results[peer].seconds)
             ratio = statistics.median(a / b for a, b in pairs)
             meta[f"bubble {name}"][f"time_ratio_over {peer}"] = ratio
             print(f"{name:12s} time fivefold {name} / {peer} {ratio:.3f}   bubble fivefold {b['fivefold']:.1%}  "
-                  f"torch {b['torch']:.1%}  formula {b['formula']:.1%}")
+                  f"torch {b['torch']:.1%}  formula {b['formula']:.1%}   CPU s/step fivefold "
+                  f"{b['cpu_s']['fivefold']:.3f} torch {b['cpu_s']['torch']:.3f}")
+            idle = "  ".join(f"rank {r}: " + " ".join(f"{k} {v * 1e3:.0f}" for k, v in parts.items())
+                             for r, parts in enumerate(b["idle"]))
+            print(f"{'':12s} idle ms  {idle}")
+            means = " ".join(f"{k} {v:.0f}" for k, v in b["mean_ms"].items())
+            print(f"{'':12s} mean ms  {means}   formula at these times {b['formula_at_measured_times']:.1%}")
         path = args.json or os.path.join("runs", f"bench_pp_pp{pp}.json")
         print(f"wrote {write_json([comparison], path)}")
     dist.destroy_process_group()

@@ -12,7 +12,7 @@ import torch
 from fivefold.config import load_config
 from fivefold.layout import LayoutError, validate
 from fivefold.parallel.pipeline import (
-    DeferWeightGrads,
+    WeightGradDeferral,
     apply_deferred_weight_grads,
     balanced_counts,
     forward_only,
@@ -86,7 +86,8 @@ def test_released_output_still_backpropagates():
 
 
 def test_weight_step_does_the_deferred_linear_work():
-    """B leaves every linear weight's gradient undone and W computes exactly the eager ones."""
+    """B leaves every linear weight's gradient undone and W computes exactly the eager ones,
+    one parameter after another in the given order; outside `collect` the hooks do nothing."""
     from fivefold.model.llama import build_model
 
     model = build_model(_config().model, seed=0)
@@ -94,17 +95,29 @@ def test_weight_step_does_the_deferred_linear_work():
     model(ids)[0].square().mean().backward()
     expected = {name: p.grad for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
+    deferral = WeightGradDeferral(model)
     pending: list = []
-    with DeferWeightGrads({id(p) for p in model.parameters()}, pending) as mode:
+    with deferral.collect(pending) as deferred:
         out = model(ids)[0]
-    out.square().mean().backward()  # the input-gradient pass only
-    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert {id(item.weight) for item in pending} == mode.deferred
+    others = [p for p in model.parameters() if id(p) not in deferred]
+    torch.autograd.backward([out.square().mean()], inputs=others)  # B: every gradient but the deferred ones
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert {id(item.weight) for item in pending} == deferred
     assert len(pending) == len(linears)
     assert all(model.get_submodule(n).weight.grad is None for n in linears)  # left for W
-    apply_deferred_weight_grads(pending)
+    order = list(model.parameters())[::-1]
+    accumulated: list[int] = []
+    for p in order:
+        p.register_post_accumulate_grad_hook(lambda p: accumulated.append(id(p)))
+    apply_deferred_weight_grads(pending, order=order)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[i] for i in accumulated] == [f"{n}.weight" for n in reversed(linears)]
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
+    model.zero_grad(set_to_none=True)
+    model(ids)[0].square().mean().backward()  # no collect: a plain backward, every gradient at once
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -11,15 +11,18 @@ Stage split
 Executor
     `PipelineRunner` walks this rank's list of a table from `schedules.py`: compute actions
     run on the local chunk, each run of communication actions is one batched
-    point-to-point call. A stage output is freed as soon as it has been sent (its autograd
+    point-to-point call whose receives are waited for only by the compute that consumes
+    them (so a rank never waits on its neighbour for data it does not need yet). A stage output is freed as soon as it has been sent (its autograd
     node stays, which is all backward needs) and backward starts from it with the gradient
     received from the next stage.
 
 Zero-bubble weight step
-    Under a schedule with BACKWARD_INPUT / BACKWARD_WEIGHT actions (zb-h1) the forward runs
-    under `DeferWeightGrads`, a torch-function mode that routes every bias-free `F.linear`
-    on one of the chunk's parameters (attention and MLP projections, the router, the head,
-    their tensor-parallel versions) through `_DeferredLinear`. Its backward returns only the
+    Under a schedule with BACKWARD_INPUT / BACKWARD_WEIGHT actions (zb-h1) the runner
+    installs, once at build time, a `WeightGradDeferral` on each chunk: hooks on every
+    module owning a 2-D weight (attention and MLP projections, the router, the head, their
+    tensor-parallel versions) run that module's forward under `DeferWeightGrads`, a
+    torch-function mode that routes its bias-free `F.linear` on the module's weight
+    through `_DeferredLinear`; the rest of the forward runs untouched. Its backward returns only the
     input gradient and leaves (input, output gradient) behind, so the input-gradient step
     (B) is a full backward minus those matmuls and frees the graph; the gradients of the
     other parameters (norms, embedding, expert weights) are computed in B but held, not
@@ -134,7 +137,7 @@ class PendingWeightGrad:
     """What a deferred linear left for the weight step: dW = dy^T x."""
 
     weight: torch.Tensor
-    input: torch.Tensor  # x as the matmul saw it (autocast dtype)
+    input: torch.Tensor  # x (W casts it to dy's dtype, as autocast did for the matmul)
     output_grad: torch.Tensor  # dy
 
 
@@ -159,12 +162,13 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 class DeferWeightGrads(TorchFunctionMode):
-    """While active, `F.linear(x, W)` with W one of `weights` defers W's gradient to `pending`."""
+    """While active, `F.linear(x, W)` with W one of `weights` defers W's gradient to `pending`
+    and records id(W) in `deferred`."""
 
-    def __init__(self, weights: set[int], pending: list[PendingWeightGrad]) -> None:
+    def __init__(self, weights: set[int], pending: list[PendingWeightGrad], deferred: set[int] | None = None) -> None:
         super().__init__()
         self.weights, self.pending = weights, pending
-        self.deferred: set[int] = set()  # ids of the weights routed here
+        self.deferred: set[int] = set() if deferred is None else deferred  # ids of the weights routed here
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -183,19 +187,137 @@ class DeferWeightGrads(TorchFunctionMode):
         return bias is None and torch.is_grad_enabled() and weight.requires_grad and id(weight) in self.weights
 
 
-def apply_deferred_weight_grads(pending: list[PendingWeightGrad], held: dict | None = None) -> None:
+class WeightGradDeferral:
+    """Routes the weight gradients of one chunk's linear layers to the weight step (W).
+
+    Installed once, when the runner is built for a schedule with a W step, as hooks on
+    every module that owns a 2-D weight; they do nothing outside `collect`, so evaluation
+    and any other use of the chunk run the plain modules.
+
+    A bias-free `nn.Linear` (attention and MLP projections, the router, the head) runs
+    natively: a forward hook keeps its input x and hooks its output for dy. The weight's
+    gradient is then simply not computed in B, which asks autograd only for the input
+    gradient and the other parameters' gradients (autograd skips the weight half of each
+    matmul's backward that nobody asked for). Other modules owning a 2-D weight (the
+    tensor-parallel linears, whose matmul input is not the module's input under sequence
+    parallelism) run their own forward under `DeferWeightGrads`. No other operation of the
+    forward passes through Python (a mode around the whole forward intercepted every one,
+    which cost ~10% of the forward).
+    """
+
+    def __init__(self, chunk: torch.nn.Module) -> None:
+        self.weights = {id(p) for p in chunk.parameters() if p.requires_grad}
+        self._target: tuple[list[PendingWeightGrad], set[int]] | None = None  # set by `collect`
+        self._modes: list[DeferWeightGrads | None] = []  # one entry per module forward in progress
+        for module in chunk.modules():
+            weight = module._parameters.get("weight")
+            if weight is None or weight.ndim != 2 or not weight.requires_grad:
+                continue
+            if isinstance(module, torch.nn.Linear) and module.bias is None:
+                module.register_forward_hook(self._keep_input_and_output_grad)
+            else:
+                module.register_forward_pre_hook(self._enter)
+                module.register_forward_hook(self._exit, always_call=True)
+
+    @contextlib.contextmanager
+    def collect(self, pending: list[PendingWeightGrad]) -> Iterator[set[int]]:
+        """Defer inside: (x, dy) pairs go to `pending`; yields the ids of the deferred weights.
+
+        The caller's backward must not ask for the deferred weights' gradients (B asks
+        `torch.autograd.grad` for the others only); W computes them from `pending`.
+        """
+        deferred: set[int] = set()
+        self._target = (pending, deferred)
+        try:
+            yield deferred
+        finally:
+            self._target = None
+
+    def _keep_input_and_output_grad(self, module: torch.nn.Linear, args, output: torch.Tensor) -> None:
+        if self._target is None or not (torch.is_grad_enabled() and output.requires_grad):
+            return
+        pending, deferred = self._target
+        weight, x = module.weight, args[0]
+        deferred.add(id(weight))
+        output.register_hook(lambda dy: pending.append(PendingWeightGrad(weight, x, dy)))
+
+    def _enter(self, module: torch.nn.Module, args) -> None:
+        mode = None
+        if self._target is not None and torch.is_grad_enabled():
+            mode = DeferWeightGrads(self.weights, *self._target)
+            mode.__enter__()
+        self._modes.append(mode)
+
+    def _exit(self, module: torch.nn.Module, args, output) -> None:
+        mode = self._modes.pop()
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+
+class _GradientLink(torch.autograd.Function):
+    """One link of the weight step's chain: identity on `link` whose backward hands
+    `param` the gradient `compute()` makes at that moment.
+
+    Autograd runs a parameter's accumulation as soon as its gradient is ready (before the
+    next link), so the weight step holds one weight gradient at a time instead of all of
+    them: materialising every dW of a chunk at once made the allocator grow and trim the
+    heap by that much per micro-batch, and the page faults cost ~20% of the step's W time.
+    """
+
+    @staticmethod
+    def forward(ctx, link: torch.Tensor, param: torch.Tensor, compute):
+        ctx.compute = compute
+        return link.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad if ctx.needs_input_grad[0] else None, ctx.compute(), None
+
+
+def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: torch.Tensor | None):
+    """A function computing `param`'s whole gradient of one micro-batch: what B held plus
+    dy^T x of each deferred use of it; it drops (x, dy) as it goes."""
+
+    def compute() -> torch.Tensor | None:
+        grad = held
+        while items:
+            item = items.pop(0)
+            dy, x = item.output_grad, item.input.to(item.output_grad.dtype)  # autocast's cast of x, if any
+            dw = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(param.dtype)
+            grad = dw if grad is None else dw + grad
+        return grad
+
+    return compute
+
+
+def apply_deferred_weight_grads(pending: list[PendingWeightGrad], held: dict | None = None,
+                                order: list[torch.Tensor] | None = None) -> None:
     """The weight step: every deferred dW = dy^T x, plus the gradients B `held` (id ->
-    (parameter, gradient)), accumulated into the parameters by one autograd call."""
-    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = dict(held or {})
+    (parameter, gradient)), accumulated into the parameters by one autograd call, so a
+    backward-end callback (ZeRO's per-backward reduction) sees one backward.
+
+    Parameters are accumulated in `order` (the chunk's parameters; those absent follow in
+    the order they were deferred), each gradient computed just before its accumulation.
+    """
+    uses: dict[int, list[PendingWeightGrad]] = {}
+    params: dict[int, torch.Tensor] = {}
     for item in pending:
-        dy, x = item.output_grad, item.input
-        grad = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(item.weight.dtype)
-        key = id(item.weight)
-        grads[key] = (item.weight, grad + grads[key][1] if key in grads else grad)
-    if grads:
-        weights, values = zip(*grads.values())
-        torch.autograd.backward(list(weights), list(values))
+        uses.setdefault(id(item.weight), []).append(item)
+        params[id(item.weight)] = item.weight
+    held = held or {}
+    params.update({key: param for key, (param, _) in held.items()})
+    ranked = [id(p) for p in (order or []) if id(p) in params]
+    keys = ranked + [key for key in params if key not in set(ranked)]
     pending.clear()
+    if not keys:
+        return
+    link = torch.zeros(())
+    for key in reversed(keys):  # the last link built runs first
+        grad = held[key][1] if key in held else None
+        link = _GradientLink.apply(link, params[key], _weight_gradient(params[key], uses.get(key, []), grad))
+    held.clear()
+    uses.clear()
+    torch.autograd.backward([link], [torch.zeros(())])
 
 
 # ---------------------------------------------------------------------------------- runner
@@ -247,6 +369,7 @@ class _StepState:
     grads: dict = field(default_factory=dict)  # received output gradients
     input_grads: dict = field(default_factory=dict)  # gradients to send back
     pending_sends: list = field(default_factory=list)  # (work, output to free or None)
+    arrivals: dict = field(default_factory=dict)  # (receive kind, micro-batch, chunk) -> work in flight
     live_bytes: int = 0
     peak_bytes: int = 0
     peak_units: int = 0
@@ -278,10 +401,11 @@ class PipelineRunner:
         self.boundary_dtype = torch.float32  # the residual stream stays fp32 under autocast
         self.sp_factor = layout.tp if layout.sequence_parallel else 1
         self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
-        # Full recomputation replays a block's forward inside backward, where the deferring
-        # mode is not active: its saved tensors would not match, so W is then empty (B does all).
+        # Full recomputation replays a block's forward inside backward, where the deferral
+        # does not collect: nothing would be deferred, so W is then empty (B does all).
         self.split_weight_grads = any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full"
-        self.param_ids = [{id(p) for p in params} for params in self.params]
+        self.params_reversed = [params[::-1] for params in self.params]  # W accumulates as backward would
+        self.deferrals = [WeightGradDeferral(chunk) for chunk in self.chunks] if self.split_weight_grads else []
         self.timeline = None  # a fivefold.timeline.Timeline to record the next steps
         self.measure_memory = False
         self.memory = StepMemory(0, 0)
@@ -325,7 +449,7 @@ class PipelineRunner:
         if self.timeline is not None:
             self.timeline.stop()
         left = {k: len(v) for k, v in (("units", st.units), ("acts", st.acts), ("grads", st.grads),
-                                       ("input_grads", st.input_grads)) if v}
+                                       ("input_grads", st.input_grads), ("arrivals", st.arrivals)) if v}
         if left:
             raise RuntimeError(f"pipeline rank {self.rank}: buffers left after the schedule: {left}")
         self.memory = StepMemory(st.peak_units, st.peak_bytes)
@@ -337,11 +461,20 @@ class PipelineRunner:
                 with self._record("comm", first):
                     self._communicate(step, st, training)
                 continue
+            self._await_input(first, st)
             with self._record(first.kind.value, first), self._sync_context(first, training):
                 if first.kind is K.FORWARD:
                     self._forward(first, st, training)
                 else:
                     self._backward(first, st)
+
+    def _await_input(self, action: Action, st: _StepState) -> None:
+        """Wait for the receive this compute consumes, if it is still in flight."""
+        kind = K.RECV_ACT if action.kind is K.FORWARD else K.RECV_GRAD
+        work = st.arrivals.pop((kind, action.microbatch, action.chunk), None)
+        if work is not None:
+            with self._record("comm", action):
+                work.wait()
 
     def _record(self, kind: str, action: Action) -> contextlib.AbstractContextManager:
         if self.timeline is None:
@@ -366,7 +499,7 @@ class PipelineRunner:
         train = self.config.train
         pending: list[PendingWeightGrad] = []
         deferral = self._deferral(action.chunk, pending, training)
-        with self._count_saved(chunk) as saved, autocast_for(self.config, device), deferral:
+        with self._count_saved(chunk) as saved, autocast_for(self.config, device), deferral as deferred:
             out, aux = chunk(x, batch.positions, batch.documents)
             ce = self.model.loss_fn(out, batch.targets) if stage == self.last_stage else None
         if ce is not None:
@@ -385,7 +518,7 @@ class PipelineRunner:
             output = out.to(self.boundary_dtype)
             heads = [output] + aux_loss
         st.units[key] = _Unit(x if stage > 0 else None, heads, output, saved[0], pending_weight_grads=pending,
-                              deferred=getattr(deferral, "deferred", set()))
+                              deferred=deferred or set())
         st.live_bytes += saved[0]
         st.peak_bytes = max(st.peak_bytes, st.live_bytes)
         st.peak_units = max(st.peak_units, len(st.units))
@@ -399,7 +532,7 @@ class PipelineRunner:
             self._input_step(unit, action.chunk, st, key)
             return
         if action.kind is K.BACKWARD_WEIGHT:  # B already freed the graph: only the deferred matmuls
-            apply_deferred_weight_grads(unit.pending_weight_grads, unit.held_grads)
+            apply_deferred_weight_grads(unit.pending_weight_grads, unit.held_grads, self.params_reversed[action.chunk])
         else:
             torch.autograd.backward(unit.heads, unit.output_grads)
             if unit.input is not None:
@@ -418,9 +551,9 @@ class PipelineRunner:
         unit.heads = []  # the graph is freed; W needs only what B left behind
 
     def _deferral(self, chunk: int, pending: list[PendingWeightGrad], training: bool):
-        if not (training and self.split_weight_grads):
+        if not (training and self.deferrals):
             return contextlib.nullcontext()
-        return DeferWeightGrads(self.param_ids[chunk], pending)
+        return self.deferrals[chunk].collect(pending)
 
     @contextlib.contextmanager
     def _count_saved(self, chunk: Transformer) -> Iterator[list[int]]:
@@ -453,23 +586,31 @@ class PipelineRunner:
                            device=inputs.device)
 
     def _communicate(self, step: tuple[Action, ...], st: _StepState, training: bool) -> None:
-        """Post one batch; wait for its receives. Sends complete in the background: a send
-        never has to wait for the peer to reach its matching receive, and a sent output is
-        freed once its send is done."""
-        sends, recvs, sent_outputs = [], [], []
+        """Post one batch. Sends complete in the background: a send never has to wait for the
+        peer to reach its matching receive, and a sent output is freed once its send is done.
+        A receive is waited for just before the compute that consumes it (`_await_input`),
+        not here: the table may place it a compute or two early (where both ends meet in the
+        planned timeline), and waiting there would make a rank wait for its neighbour's
+        jitter on data it does not need yet."""
+        sends: list[tuple[torch.Tensor, int]] = []
+        recvs: list[tuple[torch.Tensor, int]] = []
+        sent_outputs: list[torch.Tensor | None] = []
+        arriving: list[tuple[ActionKind, int, int]] = []
         for a in step:
-            key = (a.microbatch, a.chunk)
+            key, peer = (a.microbatch, a.chunk), a.peer
+            assert peer is not None, f"{a} names no peer"  # every communication action of a table does
             if a.kind is K.SEND_ACT:
                 unit = st.units[key] if training else st.units.pop(key)
-                sends.append((unit.output.detach(), a.peer))
+                sends.append((unit.output.detach(), peer))
                 sent_outputs.append(unit.output if training else None)
             elif a.kind is K.SEND_GRAD:
-                sends.append((st.input_grads.pop(key), a.peer))
+                sends.append((st.input_grads.pop(key), peer))
                 sent_outputs.append(None)
             else:
                 buffer = self._boundary(st, a.microbatch)
                 (st.acts if a.kind is K.RECV_ACT else st.grads)[key] = buffer
-                recvs.append((buffer, a.peer))
+                recvs.append((buffer, peer))
+                arriving.append((a.kind, *key))
         works = comm.send_recv(self.mesh.pp, sends, recvs)
         if len(works) != len(sends) + len(recvs):  # one handle for a coalesced batch (NCCL)
             st.pending_sends += [(work, None) for work in works]
@@ -478,8 +619,7 @@ class PipelineRunner:
                 release_storage(output)
             return
         st.pending_sends += list(zip(works[: len(sends)], sent_outputs))
-        for work in works[len(sends) :]:
-            work.wait()
+        st.arrivals.update(zip(arriving, works[len(sends) :]))
         self._complete_sends(st, wait=False)
 
     def _complete_sends(self, st: _StepState, wait: bool) -> None:

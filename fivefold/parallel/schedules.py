@@ -15,7 +15,10 @@ The executor contract
        synchronously on the local chunk ``action.chunk`` for ``action.microbatch``.
     3. A maximal run of consecutive communication actions is ONE batch: post all of them
        with a single ``torch.distributed.batch_isend_irecv`` call, in list order, and wait
-       for every request of the batch before moving on. :func:`group_steps` does the
+       for every request of the batch before moving on (an executor may wait later: for
+       a receive, just before the compute that consumes it; for a send, at any time
+       before its buffer is reused; waiting later never adds a wait, so it cannot add a
+       deadlock either). :func:`group_steps` does the
        grouping. Post them in list order: point-to-point messages between two ranks are
        matched first-in first-out, and the tables are built so that the n-th send from
        rank a to rank b is the n-th receive of rank b from rank a.
@@ -650,10 +653,12 @@ class _Simulation:
             s.matched = r.matched = max(s.posted, r.posted)
 
     def finish_batch(self, rank: int, st: _Rank) -> bool:
-        if any(op.matched is None for op in st.batch):
+        batch = st.batch or []
+        matched = [op.matched for op in batch]
+        if any(t is None for t in matched):
             return False
-        st.clock = max(st.clock, max(op.matched for op in st.batch) + self.comm_time)
-        for op in st.batch:
+        st.clock = max(st.clock, max(t for t in matched if t is not None) + self.comm_time)
+        for op in batch:
             key = (op.action.microbatch, op.action.chunk)
             if op.action.kind is ActionKind.RECV_ACT:
                 st.got_act.add(key)
