@@ -229,8 +229,14 @@ def test_activation_memory_measured_equals_derived(pools):
         derived = activation_bytes_per_layer(config.model, layout, micro_batch=2, seq_len=config.train.seq_len)
         assert per_layer == [derived] * config.model.layers, layout
     b, s, h, a, f = 2, config.train.seq_len, config.model.hidden, config.model.heads, config.model.ffn
+
+    def kv_width(t: int) -> int:  # key/value heads a rank holds (one, repeated, when t > kv heads)
+        return max(config.model.n_kv_heads // t, 1) * config.model.head_dim
+
     for t in (1, 2, 4):  # the closed forms of fivefold.activation_memory
         tp = Layout(tp=t, dp=4 // t)
-        assert activation_bytes_per_layer(config.model, tp, b, s) == 4 * b * s * (h * 6 + (4 * h + 4 * f) // t + 2 + a // t)
+        expected = 4 * b * s * (h * 6 + (2 * h + 4 * f) // t + 2 * kv_width(t) + 2 + a // t)
+        assert activation_bytes_per_layer(config.model, tp, b, s) == expected
     sp = Layout(tp=4, sequence_parallel=True)
-    assert activation_bytes_per_layer(config.model, sp, b, s) == 4 * b * s * (2 * h + (8 * h + 4 * f) // 4) + 4 * b * s * (2 + a) // 4
+    expected = 4 * b * s * (2 * h + (6 * h + 4 * f) // 4 + 2 * kv_width(4)) + 4 * b * s * (2 + a) // 4
+    assert activation_bytes_per_layer(config.model, sp, b, s) == expected
