@@ -6,7 +6,9 @@ as transformers' eager attention does), which copies K and V to query-head size 
 save them at that size. Both models hold the same weights and run forward + backward of one
 batch of the preset (cross entropy over all tokens) in one process, alternating
 (fivefold.bench). Reported per preset: the median time ratio and the bytes each layer saves for
-backward (saved-tensor hooks, fivefold.activation_memory), which do not depend on load.
+backward (saved-tensor hooks, fivefold.activation_memory), which do not depend on load, and
+the median per-round ratio of the process CPU time of each call (one torch thread by default):
+on a machine shared with other work it moves far less than the wall time.
 
     fivefold bench attention --presets small,tiny --rounds 7
 """
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--presets", default="small,tiny", help="comma-separated dense presets with kv_heads < heads")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds after the warm-up")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", default="bench_results/attention.json")
     return p.parse_args(argv)
 
@@ -67,11 +72,16 @@ def models_of(preset: str) -> tuple[dict[str, torch.nn.Module], torch.Tensor, to
     return {"grouped": grouped, "repeated": repeated}, tokens[:, :-1], tokens[:, 1:]
 
 
-def step_of(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> Callable[[], None]:
+def step_of(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+            cpu_seconds: list[float]) -> Callable[[], None]:
+    """Forward + backward; appends the call's process CPU time to `cpu_seconds`."""
+
     def step() -> None:
+        start = time.process_time()
         logits, _ = model(inputs)
         F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
         model.zero_grad(set_to_none=True)
+        cpu_seconds.append(time.process_time() - start)
 
     return step
 
@@ -84,24 +94,29 @@ def compare_preset(preset: str, args: argparse.Namespace) -> Comparison:
         name: sum(measure_saved_bytes(m, lambda m=m: m(inputs), dict(m.layers.items())).per_layer.values())
         for name, m in models.items()
     }
-    results = alternate({n: step_of(m, inputs, targets) for n, m in models.items()}, args.warmup, args.rounds)
+    cpu: dict[str, list[float]] = {name: [] for name in models}
+    results = alternate({n: step_of(m, inputs, targets, cpu[n]) for n, m in models.items()}, args.warmup, args.rounds)
     for name, res in results.items():
         res.extra["saved_layer_bytes"] = saved[name]
+        res.extra["cpu_s"] = cpu[name][args.warmup:]
+    cpu_ratio = statistics.median(g / r for g, r in zip(cpu["grouped"][args.warmup:], cpu["repeated"][args.warmup:]))
     config = load_config(preset).model
     meta = {"preset": preset, "heads": config.heads, "kv_heads": config.n_kv_heads, "max_logit_difference": difference,
-            "saved_bytes_ratio": saved["grouped"] / saved["repeated"]}
+            "saved_bytes_ratio": saved["grouped"] / saved["repeated"], "cpu_time_ratio": cpu_ratio}
     return compare(f"attention, {preset} ({config.heads} heads, {config.n_kv_heads} K/V heads): forward + backward",
                    results, "repeated", meta)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     comparisons = [compare_preset(p, args) for p in args.presets.split(",")]
     for c in comparisons:
         print_table(c)
         print(f"  saved by the layers for backward: grouped / repeated = {c.meta['saved_bytes_ratio']:.3f} "
               f"({c.cases['grouped'].extra['saved_layer_bytes']} / {c.cases['repeated'].extra['saved_layer_bytes']} bytes); "
               f"largest logit difference {c.meta['max_logit_difference']:.2e}")
+        print(f"  process CPU time per call: grouped / repeated = {c.meta['cpu_time_ratio']:.3f} (median of rounds)")
     print(f"wrote {write_json(comparisons, args.out)}")
 
 

@@ -216,7 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="small")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--modes", default="sp,nosp", help="comma list of sp, nosp")
+    parser.add_argument("--modes", default="sp,nosp", help="comma list of sp, nosp (empty: none)")
     parser.add_argument("--out", default="runs/bench/tp.json")
     parser.add_argument("--no-overlap-case", dest="overlap_case", action="store_false",
                         help="leave out the case with layout.tp_overlap switched")
@@ -225,7 +225,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     comparisons = []
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):  # --modes "" --probe: the probe alone
         sp = mode == "sp"
         config = load_config(args.config, [f"layout.tp={world}", f"layout.sequence_parallel={sp}", *overrides])
         comparisons.append(compare_one(config, sp, args.rounds, args.overlap_case))

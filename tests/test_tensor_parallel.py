@@ -173,6 +173,7 @@ OVERLAP_CASES = {  # id: (world, preset, overrides): all-reduce and reduce-scatt
     "tp2-sp-dense-accum": (2, "tiny", ("layout.tp=2", "layout.sequence_parallel=true", "layout.grad_accum=2")),
     "tp2-moe-shared-tied": (2, "tiny-moe", ("layout.tp=2", "model.tied_embeddings=true")),
     "dp2-tp2-zero2-sp": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=2", "layout.sequence_parallel=true")),
+    "tp2-sp-recompute-full": (2, "tiny", ("layout.tp=2", "layout.sequence_parallel=true", "layout.recompute=full")),
 }
 
 
