@@ -49,6 +49,8 @@ def test_bad_layouts_are_rejected_with_values_that_work():
         ("layout.tp=8", "model.vocab_size=9"): "use tp <= 5",  # vocabulary
         ("layout.tp=4", "layout.sequence_parallel=true", "train.seq_len=30"): "multiple of 4 (e.g. 28, 32), or tp in 2",
         ("layout.sequence_parallel=true",): "needs tp > 1",
+        ("layout.tp_overlap=true",): "tp_overlap needs tp > 1",
+        ("layout.tp=2", "layout.dp=2", "layout.zero=3", "layout.tp_overlap=true"): "tp_overlap does not work with layout.zero=3",
     }
     for overrides, expected in cases.items():
         with pytest.raises(LayoutError, match=expected.replace("(", r"\(").replace(")", r"\)")):
