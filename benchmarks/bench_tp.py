@@ -9,6 +9,13 @@ and the MLP, a vocab-parallel embedding and head, and `loss_parallel` for the lo
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 \\
         python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_tp.py
 
+With --overlap-case (default) a third case, "fivefold_overlap", trains the same model with
+`layout.tp_overlap` switched: each tp region's backward starts the input gradient's
+reduce-scatter (all-reduce without SP) asynchronously and computes the column layers' weight
+gradients while it travels. --probe times that overlap in isolation on one layer's shapes
+(communication alone, weight-gradient matmuls alone, one after the other, overlapped), which
+shows how much of the communication the matmuls can hide on this machine.
+
 Reported per case: median step time, the median per-round ratio to fivefold, the peak
 resident memory during a step (the kernel's high-water mark reset before each step; the
 fixed mmap threshold makes freed tensors leave the process so the mark is per step), and
@@ -19,6 +26,7 @@ the bytes autograd saves for backward in one forward pass (saved-tensor hooks).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -60,8 +68,9 @@ def dtensor_plan(model, sequence_parallel: bool) -> dict:
         if sequence_parallel:
             plan.update({
                 p + "attn_norm": SequenceParallel(), p + "mlp_norm": SequenceParallel(),
-                p + "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),  # (x, rope, documents)
-                                             desired_input_layouts=(Replicate(), None, None)),
+                # attention's inputs: x, the rotary tables, the document ids (None here)
+                p + "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                               desired_input_layouts=(Replicate(), None, None)),
                 p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
     return plan
@@ -133,7 +142,7 @@ def saved_mb(model, inputs: torch.Tensor, loss) -> float:
     return (sum(saved.per_layer.values()) + saved.shared + saved.outside_layers) / 2**20
 
 
-def compare_one(config, sequence_parallel: bool, rounds: int) -> bench.Comparison:
+def compare_one(config, sequence_parallel: bool, rounds: int, overlap_case: bool) -> bench.Comparison:
     config = validate(config, dist.get_world_size())
     mesh = Mesh.build(config.layout)
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
@@ -145,6 +154,10 @@ def compare_one(config, sequence_parallel: bool, rounds: int) -> bench.Compariso
         "fivefold": lambda: train_step(ours, sampler, 0),
         "dtensor": lambda: peer.step(inputs, targets),
     }
+    if overlap_case:
+        switched = config.replace(layout=dataclasses.replace(config.layout, tp_overlap=not config.layout.tp_overlap))
+        other = build(switched, mesh, torch.device("cpu"))
+        cases["fivefold_overlap" if switched.layout.tp_overlap else "fivefold_no_overlap"] = lambda: train_step(other, sampler, 0)
     results = bench.alternate(cases, warmup=1, rounds=rounds, sync=dist.barrier)
     bench.gather_peak_rss(results)
     chunk = ours.chunks[0]
@@ -153,31 +166,78 @@ def compare_one(config, sequence_parallel: bool, rounds: int) -> bench.Compariso
         "dtensor": saved_mb(peer.model, inputs, lambda x: peer.loss_parallel_forward(x, targets)),
     }
     for name, res in results.items():
-        res.extra["saved_for_backward_mb"] = saved[name]
+        res.extra["saved_for_backward_mb"] = saved.get(name, saved["fivefold"])  # overlap saves the same tensors
     title = f"tp={config.layout.tp} {'with' if sequence_parallel else 'without'} sequence parallel, {config.model.name}"
-    meta = {"tp": config.layout.tp, "sequence_parallel": sequence_parallel, "global_batch": config.train.global_batch,
+    meta = {"tp": config.layout.tp, "sequence_parallel": sequence_parallel, "tp_overlap": config.layout.tp_overlap,
+            "global_batch": config.train.global_batch,
             "seq_len": config.train.seq_len, "threads": torch.get_num_threads()}
     return bench.compare(title, results, "fivefold", meta)
+
+
+def overlap_probe(config, rounds: int) -> bench.Comparison:
+    """One layer's backward on the config's shapes: the input gradient's tp collective alone,
+    the column layers' weight-gradient matmuls alone, both one after the other, and both
+    overlapped (collective started asynchronously, matmuls, wait). Sequence parallel:
+    reduce-scatter of the (T, B, h) input gradient, as `_OverlappedEntry` does."""
+    from fivefold.parallel import comm
+
+    mesh = Mesh.build(validate(config, dist.get_world_size()).layout)
+    m, t = config.model, dist.get_world_size()
+    tokens = config.train.global_batch * config.train.seq_len
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(tokens, m.hidden, generator=gen)
+    widths = [m.heads * m.head_dim // t] + [m.n_kv_heads * m.head_dim // t] * 2 + [m.ffn // t] * 2  # q, k, v, gate, up
+    dys = [torch.randn(tokens, w, generator=gen) for w in widths]
+    dx = torch.randn(config.train.seq_len, config.train.global_batch, m.hidden, generator=gen)
+
+    def weight_grads() -> None:
+        for dy in dys:
+            dy.t().matmul(x)
+
+    def collective() -> None:
+        comm.reduce_scatter(dx, mesh.tp)
+
+    def sequential() -> None:
+        collective()
+        weight_grads()
+
+    def overlapped() -> None:
+        _, work = comm.reduce_scatter(dx, mesh.tp, async_op=True)
+        weight_grads()
+        work.wait()
+
+    cases = {"sequential": sequential, "overlapped": overlapped, "collective": collective, "weight_grads": weight_grads}
+    results = bench.alternate(cases, warmup=2, rounds=rounds, sync=dist.barrier)
+    title = f"one layer's backward, tp={t}: reduce-scatter of dx vs the column layers' dW matmuls, {config.model.name}"
+    return bench.compare(title, results, "sequential", {"tokens": tokens, "dx_mb": dx.numel() * 4 / 2**20})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="small")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--modes", default="sp,nosp", help="comma list of sp, nosp")
+    parser.add_argument("--modes", default="sp,nosp", help="comma list of sp, nosp (empty: none)")
     parser.add_argument("--out", default="runs/bench/tp.json")
+    parser.add_argument("--no-overlap-case", dest="overlap_case", action="store_false",
+                        help="leave out the case with layout.tp_overlap switched")
+    parser.add_argument("--probe", action="store_true", help="also time one layer's overlap in isolation")
     args, overrides = parser.parse_known_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     comparisons = []
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):  # --modes "" --probe: the probe alone
         sp = mode == "sp"
         config = load_config(args.config, [f"layout.tp={world}", f"layout.sequence_parallel={sp}", *overrides])
-        comparisons.append(compare_one(config, sp, args.rounds))
+        comparisons.append(compare_one(config, sp, args.rounds, args.overlap_case))
+    if args.probe:
+        config = load_config(args.config, [f"layout.tp={world}", "layout.sequence_parallel=true", *overrides])
+        comparisons.append(overlap_probe(config, args.rounds))
     if dist.get_rank() == 0:
         for c in comparisons:
             bench.print_table(c)
             for name, res in c.cases.items():
+                if "saved_for_backward_mb" not in res.extra:
+                    continue
                 print(f"  {name}: step raises resident memory by {res.extra['step_rise_mb']:.1f} MB at its peak; "
                       f"saved for backward {res.extra['saved_for_backward_mb']:.1f} MB per forward")
         print(f"wrote {bench.write_json(comparisons, args.out)}")

@@ -11,25 +11,25 @@ for a runtime model and layout. It follows the method of Korthikanti et al. 2022
 a GPT layer, sbh(10 + 24/t + 5as/(ht)) under tensor parallelism and everything divided by
 t under sequence parallelism. For fivefold's layer (RMSNorm, grouped-query attention with
 RoPE and PyTorch's fused SDPA, SwiGLU, no dropout), fp32 activations, b sequences of s
-tokens, hidden h, a heads, FFN width f, tensor-parallel degree t:
+tokens, hidden h, a heads, FFN width f, tensor-parallel degree t, and k the key/value
+width a rank holds (kv heads / t, at least one, times the head dimension):
 
     replicated (norm) regions, per norm:   input h, rstd 1, normalised x * rstd h
     region inputs (saved once for q,k,v / gate,up):               h      (each)
-    attention, per token: q, k, v (k, v repeated to the local query heads by the
-        model's grouped-query attention), output (= the wo input): 4 h/t; logsumexp a/t
+    attention, per token: q and output (= the wo input) 2 h/t; k, v 2 k (grouped heads,
+        as SDPA takes them with enable_gqa, never repeated); logsumexp a/t
     SwiGLU: gate out, up out, silu out, down input:                   4 f/t
 
-    bytes = 4 b s [ h (6 + (4 + 4 f/h) / t) + 2 + a/t ]                      (tensor parallel)
-    bytes = 4 b s [ h (2 + (8 + 4 f/h) / t) + (2 + a) / t ]                  (+ sequence parallel)
+    bytes = 4 b s [ h (6 + (2 + 4 f/h) / t) + 2 k + 2 + a/t ]                (tensor parallel)
+    bytes = 4 b s [ h (2 + (6 + 4 f/h) / t) + 2 k + (2 + a) / t ]            (+ sequence parallel)
 
-t = 1 gives the single-device layer, 4 b s [h (10 + 4 f/h) + 2 + a]. The fused attention
+t = 1 gives the single-device layer, 4 b s [h (8 + 4 f/h) + 2 k + 2 + a]. The fused attention
 stores a log-sum-exp per query and head instead of the s x s scores, so there is no
 5as/h term. Under sequence parallel the norm regions are split, but the two region inputs
 are all-gathered before q, k, v and gate, up and kept whole for their weight gradients
 (2 b s h, not divided by t); Megatron instead keeps the shard and all-gathers again in
 backward (more communication, less memory) -- the one term where fivefold's formula keeps
-a full-size tensor. The key/value terms do not shrink with fewer kv heads because the
-model repeats k and v to every query head before attention
+a full-size tensor. The key/value terms shrink with the kv heads
 (`fivefold.planner.activations.attention_saved_kv_heads`).
 """
 

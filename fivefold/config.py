@@ -92,6 +92,7 @@ class Layout:
     zero: int = 0
     tp: int = 1
     sequence_parallel: bool = False
+    tp_overlap: bool = False  # backward: tp input-gradient collectives overlap the weight-gradient matmuls
     pp: int = 1
     vpp: int = 1
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1

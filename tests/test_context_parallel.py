@@ -10,6 +10,7 @@ as data_parallel is importable the real optimizer is used and the stand-in is ne
 from __future__ import annotations
 
 import contextlib
+import math
 import importlib.util
 
 import pytest
@@ -343,3 +344,40 @@ def test_ring_attention_activation_memory_scales_as_s_over_cp(pools):
     assert all(g > r for g, r in zip(gathered[1:], ring[1:])), (gathered, ring)
     kv_full = 2 * 2 * seq * 8 * 4  # K and V of the whole sequence, fp32
     assert all(g >= kv_full for g in gathered), gathered
+
+
+def _saved_attention_shapes(ctx, Hq: int, Hkv: int, T: int, d: int):
+    """Shapes of every tensor each attention core saves for backward (the single-process core
+    and every cp=2 core), without and with packed documents, on this rank's chunk."""
+    from fivefold.model.attention import AttentionCore
+
+    B = 2
+    documents = torch.arange(T).div(T // 3, rounding_mode="floor").expand(B, T)  # three documents
+    mesh = ctx.mesh(Layout(cp=2, dp=ctx.world_size // 2))
+    cores = {"single": (AttentionCore(), T)} | {name: (core(mesh.cp), T // 2) for name, core in CORES.items()}
+    shapes = {}
+    for name, (core, local) in cores.items():
+        for docs in (None, documents):
+            q, k, v = (torch.randn(B, h, local, d, requires_grad=True) for h in (Hq, Hkv, Hkv))
+            saved: list[tuple[int, ...]] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+                core(q, k, v, docs)
+            shapes[(name, docs is not None)] = saved
+    return shapes
+
+
+def test_attention_saves_grouped_kv_never_repeated_to_query_heads(pools):
+    """Grouped-query attention hands K/V to SDPA (enable_gqa) and to the fused ring kernel with
+    their own heads: every core saves exactly two tensors at query-head count (q and the
+    output) and K/V at the rank's key/value heads, whose elements are those of K and V once."""
+    Hq, Hkv, T, d = 8, 2, 48, 4
+    shapes = pools.run(2, _saved_attention_shapes, Hq, Hkv, T, d)[0]
+    for (name, with_documents), saved in shapes.items():
+        heads = [s for s in saved if len(s) == 4 and s[-1] == d]  # (B, heads, tokens, d) tensors
+        hq, hkv = (Hq // 2, Hkv // 2) if name == "ulysses" else (Hq, Hkv)  # Ulysses splits heads over cp=2
+        at_query_heads = [s for s in heads if s[1] == hq]
+        grouped = [s for s in heads if s[1] != hq]
+        assert len(at_query_heads) == 2, (name, with_documents, saved)
+        kv_tokens = {"single": T, "allgather": T, "ulysses": T, "ring": T // 2}[name]  # keys attended per rank
+        assert sum(math.prod(s) for s in grouped) == 2 * 2 * hkv * kv_tokens * d, (name, with_documents, saved)
+        assert all(s[1] in (hkv, 2 * hkv) for s in grouped), (name, saved)  # K, V or the ring's K|V buffer

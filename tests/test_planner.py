@@ -91,7 +91,7 @@ def test_korthikanti_selective_and_full_recompute():
 
 
 def test_llama_saved_tensors_listed_explicitly():
-    """fivefold's layer: K/V repeated to every query head before SDPA, the attention output
+    """fivefold's layer: K/V at their own grouped heads (SDPA's enable_gqa), the attention output
     once (it is the output projection's input), each RMSNorm's input, rstd and x * rstd."""
     m = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=100, seq_len=32)
     saved = saved_tensors_per_layer(m, LayoutSpec(micro_batch=1), "fp32")
@@ -101,9 +101,9 @@ def test_llama_saved_tensors_listed_explicitly():
         assert want in names
     assert len(names) == len(set(names))
     by = {t.name: t for t in saved}
-    assert by["sdpa.k"].elements == 32 * 4 * 16 and by["sdpa.logsumexp"].elements == 32 * 4
+    assert by["sdpa.k"].elements == 32 * 2 * 16 and by["sdpa.logsumexp"].elements == 32 * 4
     total = sum(e * b for _, e, b in saved)
-    assert total == 4 * 32 * (10 * 64 + 4 * 96 + 2 + 4)
+    assert total == 4 * 32 * (8 * 64 + 2 * (2 * 16) + 4 * 96 + 2 + 4)
     assert activation_bytes_per_layer(m, LayoutSpec(), "fp32") == total
     selective = {t.name: t for t in saved_tensors_per_layer(m, LayoutSpec(micro_batch=1, recompute="selective"), "fp32")}
     assert selective["core.k"].elements == 32 * 2 * 16 and "sdpa.logsumexp" not in selective  # checkpoint keeps grouped K/V

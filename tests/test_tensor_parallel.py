@@ -49,6 +49,8 @@ def test_bad_layouts_are_rejected_with_values_that_work():
         ("layout.tp=8", "model.vocab_size=9"): "use tp <= 5",  # vocabulary
         ("layout.tp=4", "layout.sequence_parallel=true", "train.seq_len=30"): "multiple of 4 (e.g. 28, 32), or tp in 2",
         ("layout.sequence_parallel=true",): "needs tp > 1",
+        ("layout.tp_overlap=true",): "tp_overlap needs tp > 1",
+        ("layout.tp=2", "layout.dp=2", "layout.zero=3", "layout.tp_overlap=true"): "tp_overlap does not work with layout.zero=3",
     }
     for overrides, expected in cases.items():
         with pytest.raises(LayoutError, match=expected.replace("(", r"\(").replace(")", r"\)")):
@@ -82,6 +84,24 @@ def test_plan_is_data_and_sets_placements():
     assert model.layers["0"].attn_norm.weight.shape == (64,)  # norms stay whole
     assert len(finalizers) == 2  # norms + routers summed over tp; kv heads summed over their pairs
     assert padded_vocab(259, 4) == 260 and padded_vocab(256, 8) == 256
+
+
+def test_overlap_plan_hands_each_entry_the_weight_gradients_it_hides():
+    """layout.tp_overlap: a region's column layers (q, k, v; the shared experts' gate and up)
+    leave their weight gradients to the region's entry; the head, entered on its own, to its own."""
+    config = load_config("tiny-moe", ["model.vocab_size=259"]).model
+    for overlap in (True, False):
+        with torch.device("meta"):
+            model = Transformer(config)
+        apply_plan(model, tensor_parallel_plan(model), _fake_axis(2, 0), config, sequence_parallel=True, overlap=overlap)
+        attn, shared = model.layers["1"].attn, model.layers["1"].mlp.shared
+        if not overlap:
+            assert attn.wq.pending is None and shared.gate.pending is None and model.head.pending is None
+            continue
+        assert attn.wq.pending is not None and attn.wq.pending is attn.wk.pending is attn.wv.pending
+        assert shared.gate.pending is not None and shared.gate.pending is shared.up.pending
+        regions = {id(attn.wq.pending), id(shared.gate.pending), id(model.layers["0"].attn.wq.pending)}
+        assert len(regions) == 3 and model.head.pending is not None and id(model.head.pending) not in regions
 
 
 def test_repeated_kv_heads_count_once():
@@ -136,6 +156,45 @@ CASES = {  # id: (world, preset, overrides)
 def test_parity_and_exact_tp_traffic(pools, reference, case):
     world, preset, overrides = CASES[case]
     _check(pools, reference, _config(preset, *overrides), world)
+
+
+def _plain_and_overlapped(ctx, config, steps: int):
+    """Train `config` with layout.tp_overlap off and on; the traces of both (rank 0) and the tp bytes."""
+    from fivefold.parity import train_trace, with_layout
+
+    out = []
+    for overlap in (False, True):
+        resolved = validate(with_layout(config, tp_overlap=overlap), ctx.world_size)
+        mesh = ctx.mesh(resolved.layout)
+        trace = train_trace(resolved, mesh, steps)
+        out.append((trace if ctx.rank == 0 else None, {op: v for (axis, op), v in mesh.stats.wire.items() if axis == "tp"}))
+    return out
+
+
+OVERLAP_CASES = {  # id: (world, preset, overrides): all-reduce and reduce-scatter entries, MoE, tied and own-entry heads
+    "tp2-sp-dense-accum": (2, "tiny", ("layout.tp=2", "layout.sequence_parallel=true", "layout.grad_accum=2")),
+    "tp2-moe-shared-tied": (2, "tiny-moe", ("layout.tp=2", "model.tied_embeddings=true")),
+    "dp2-tp2-zero2-sp": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=2", "layout.sequence_parallel=true")),
+    "tp2-sp-recompute-full": (2, "tiny", ("layout.tp=2", "layout.sequence_parallel=true", "layout.recompute=full")),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_overlapped_tp_backward_is_bitwise_the_plain_one(pools, reference, case):
+    """layout.tp_overlap computes the column layers' weight gradients while the input gradient's
+    all-reduce / reduce-scatter travels: the same operations in another order, so losses, grad
+    norms and every parameter equal those without overlap bitwise, and the single process's
+    within the parity tolerances; tp moves the same bytes."""
+    from fivefold.parity import assert_parity
+
+    world, preset, overrides = OVERLAP_CASES[case]
+    config = _config(preset, *overrides)
+    (plain, plain_bytes), (overlapped, overlapped_bytes) = pools.run(world, _plain_and_overlapped, config, STEPS)[0]
+    assert overlapped.losses == plain.losses and overlapped.grad_norms == plain.grad_norms
+    assert overlapped.params.keys() == plain.params.keys()
+    assert all(torch.equal(overlapped.params[n], plain.params[n]) for n in plain.params)
+    assert overlapped_bytes == plain_bytes
+    assert_parity(reference(config, STEPS), overlapped)
 
 
 DP_REASON = "fivefold.parallel.data_parallel is not importable yet (data parallel / ZeRO land separately)"
@@ -229,8 +288,14 @@ def test_activation_memory_measured_equals_derived(pools):
         derived = activation_bytes_per_layer(config.model, layout, micro_batch=2, seq_len=config.train.seq_len)
         assert per_layer == [derived] * config.model.layers, layout
     b, s, h, a, f = 2, config.train.seq_len, config.model.hidden, config.model.heads, config.model.ffn
+
+    def kv_width(t: int) -> int:  # key/value heads a rank holds (one, repeated, when t > kv heads)
+        return max(config.model.n_kv_heads // t, 1) * config.model.head_dim
+
     for t in (1, 2, 4):  # the closed forms of fivefold.activation_memory
         tp = Layout(tp=t, dp=4 // t)
-        assert activation_bytes_per_layer(config.model, tp, b, s) == 4 * b * s * (h * 6 + (4 * h + 4 * f) // t + 2 + a // t)
+        expected = 4 * b * s * (h * 6 + (2 * h + 4 * f) // t + 2 * kv_width(t) + 2 + a // t)
+        assert activation_bytes_per_layer(config.model, tp, b, s) == expected
     sp = Layout(tp=4, sequence_parallel=True)
-    assert activation_bytes_per_layer(config.model, sp, b, s) == 4 * b * s * (2 * h + (8 * h + 4 * f) // 4) + 4 * b * s * (2 + a) // 4
+    expected = 4 * b * s * (2 * h + (6 * h + 4 * f) // 4 + 2 * kv_width(4)) + 4 * b * s * (2 + a) // 4
+    assert activation_bytes_per_layer(config.model, sp, b, s) == expected

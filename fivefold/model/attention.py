@@ -54,6 +54,21 @@ def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
+def grouped_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SDPA of q (B, Hq, Tq, d) on k, v (B, Hkv, Tk, d), Hkv dividing Hq: causal, or `mask`.
+
+    Each key/value head serves Hq/Hkv consecutive query heads. SDPA's `enable_gqa` maps
+    them inside the kernel (the CPU flash kernel reads the shared head, its backward sums
+    the group's gradients), so K/V are neither copied to query-head size nor saved at it.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask, for q (B, Hq, T, d) and k, v (B, Hkv, T, d).
 
@@ -64,23 +79,18 @@ class AttentionCore(nn.Module):
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        repeat = q.shape[1] // k.shape[1]
-        if repeat > 1:  # grouped-query attention: each key/value head serves `repeat` query heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
         if documents is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return grouped_query_attention(q, k, v)
         pos = torch.arange(q.shape[2], device=q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(documents, documents, pos, pos))
+        return grouped_query_attention(q, k, v, document_causal_mask(documents, documents, pos, pos))
 
 
 class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads; no biases, as in Llama."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, rope_theta: float) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
         super().__init__()
         self.head_dim = hidden // heads
-        self.rope_theta = rope_theta
         self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)

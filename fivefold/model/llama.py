@@ -74,7 +74,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden, config.norm_eps)
-        self.attn = Attention(config.hidden, config.heads, config.n_kv_heads, config.rope_theta)
+        self.attn = Attention(config.hidden, config.heads, config.n_kv_heads)
         self.mlp_norm = RMSNorm(config.hidden, config.norm_eps)
         self.mlp = build_mlp(config, index)
         self.recompute_full = False  # full recomputation: keep only the block's input

@@ -22,6 +22,12 @@ token of the whole sequences (B, T) and adds "same document" to its causal mask,
 positions. The ring builds the mask of each K/V block it holds (Tq x Tk, never s x s), passes
 it to the fused CPU kernel, and skips a block in which no query sees any key.
 
+Grouped-query attention: K/V keep their own heads in every core and are never repeated to
+the query heads: SDPA takes them with `enable_gqa` and the fused CPU kernel of the ring
+reads each shared head for its query heads (its backward sums the group's gradients). Only
+Ulysses, when the K/V heads do not split over cp, repeats them up to cp before its
+all-to-all, so that every rank receives the one head its queries use.
+
 Gradients of replicated parameters are summed over dp x cp by the data-parallel optimizer:
 each rank's loss is its own tokens' CE sum over the tokens of the global batch.
 """
@@ -41,7 +47,7 @@ from ..config import Config
 from ..layout import ZIGZAG_ALGORITHMS
 from ..layout import sequence_chunks as chunk_count
 from ..mesh import Axis, Mesh
-from ..model.attention import document_causal_mask, positions_in_documents
+from ..model.attention import document_causal_mask, grouped_query_attention, positions_in_documents
 from ..step import MicroBatch
 from . import comm
 
@@ -92,10 +98,6 @@ def _fused_cpu(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
 
 
-def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
-    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
-
-
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A boolean visibility mask as the fused kernel takes it: 0 where visible, -inf elsewhere."""
     if mask is None:
@@ -115,8 +117,8 @@ def block_forward(
     """
     if not _fused_cpu(q):
         return block_forward_reference(q, k, v, causal, mask)
-    Hq = q.shape[1]
-    k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
+    # The kernel takes grouped K/V heads as they are (query head i reads K/V head i // rep)
+    # and strided views of the ring's K|V buffer: no copy of K/V at all.
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.contiguous(), k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype)
     )
@@ -175,14 +177,11 @@ def block_backward(
     if not _fused_cpu(q):
         delta = (grad_out * out).sum(dim=-1)
         return block_backward_reference(q, k, v, grad_out, lse, delta, causal, mask)
-    B, Hq, Tq, d = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    k, v = _repeat_kv(k, Hq).contiguous(), _repeat_kv(v, Hq).contiguous()
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q.contiguous(), k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype)
+    # Grouped K/V as they are: the kernel sums each K/V head's gradient over its query heads.
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q.contiguous(), k, v, out, lse, 0.0, causal,
+        attn_mask=_additive(mask, q.dtype),
     )
-    fold = (B, Hkv, Hq // Hkv, Tk, d)  # sum the gradients of repeated key/value heads
-    return dq, dk.reshape(fold).sum(dim=2), dv.reshape(fold).sum(dim=2)
 
 
 def block_backward_reference(
@@ -377,16 +376,6 @@ class RingAttentionCore(nn.Module):
 # ----------------------------------------------------------------------------- all-gather K/V
 
 
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA with grouped-query heads; causal over local positions unless a mask is given."""
-    repeat = q.shape[1] // k.shape[1]
-    if repeat > 1:
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
 class AllGatherKVCore(nn.Module):
     """Gather K/V of the whole sequence (contiguous chunks); attend with the local queries."""
 
@@ -404,7 +393,7 @@ class AllGatherKVCore(nn.Module):
             visible = q_pos[:, None] >= k_pos[None, :]  # (T, n*T) exact causal mask in global positions
         else:
             visible = document_causal_mask(documents[:, q_pos], documents, q_pos, k_pos)  # (B, 1, T, n*T)
-        return _local_attention(q, kv[:, :Hkv], kv[:, Hkv:], visible)
+        return grouped_query_attention(q, kv[:, :Hkv], kv[:, Hkv:], visible)  # K/V grouped, not repeated
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -458,7 +447,7 @@ class UlyssesCore(nn.Module):
         if documents is not None:
             pos = torch.arange(n * T, device=q.device)
             mask = document_causal_mask(documents, documents, pos, pos)  # (B, 1, n*T, n*T)
-        y = _local_attention(q, k, v, mask)  # (B, hq, n*T, d): whole sequences, positions in order
+        y = grouped_query_attention(q, k, v, mask)  # (B, hq, n*T, d): whole sequences, positions in order
         return _heads_to_seq(y, self.axis)
 
 

@@ -28,6 +28,15 @@ parameter records its `Placement` (tp dropped from `replicated_over`, dp_cp kept
 kv heads carry `extra["repeat"] = {"tp": tp / kv}`), so data parallel and ZeRO shard and
 reduce them like any other parameter, and the grad norm counts each element once.
 
+Overlap (`layout.tp_overlap`): in backward, a region's entry returns the input gradient
+after a reduce-scatter (all-reduce without SP) that nothing in the region needs, while the
+column layers' weight gradients dW = dy^T x need only their own x and dy. With overlap the
+column layers hand (x, dy) to their region's entry instead of computing dW, and the entry
+starts its collective asynchronously, computes the region's dW while it travels, then waits
+(Megatron's asynchronous grad-input communication). Same operations, so the same bits; only
+the order changes. Whether it pays depends on whether communication and matmuls use
+different resources (`benchmarks/bench_tp.py --probe` measures it).
+
 Design choices:
 - MoE under sequence parallel gathers the tokens before the block and reduce-scatters after
   it, exactly like the dense MLP. The router then sees whole sequences on every rank, so
@@ -114,20 +123,129 @@ def backward_on_first_rank(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return x if axis.size == 1 else _BackwardOnFirstRank.apply(x, axis)
 
 
+# ----------------------------------------------------------------------------- overlapped entry
+
+
+@dataclass
+class PendingWeightGrads:
+    """The weight gradients a region's column-parallel layers left for the region's entry.
+
+    One per region (or per layer that enters on its own). Backward reaches the column layers
+    of one micro-batch's region, then its entry: each layer appends (weight, x, dy), the entry
+    computes them while its input gradient travels.
+    """
+
+    items: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def apply(self) -> None:
+        """dW = dy^T x for every pending layer, accumulated by autograd (so gradient hooks,
+        e.g. data parallel's bucket reduction, fire as for any other gradient)."""
+        if not self.items:
+            return
+        weights, grads = [], []
+        for weight, x, dy in self.items:
+            grad = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))  # (out, in)
+            weights.append(weight)
+            grads.append(grad.to(weight.dtype))
+        self.items.clear()
+        torch.autograd.backward(weights, grads)
+
+
+class _DeferredColumnLinear(torch.autograd.Function):
+    """y = x W^T whose backward returns dx only and leaves (W, x, dy) to the region's entry.
+
+    The weight enters detached (its value) and by reference: autograd never computes its
+    gradient here; `PendingWeightGrads.apply` does, in the entry's backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight_value: torch.Tensor, weight: nn.Parameter, pending: PendingWeightGrads):
+        ctx.save_for_backward(x, weight_value)
+        ctx.weight, ctx.pending = weight, pending
+        return F.linear(x, weight_value)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight_value = ctx.saved_tensors
+        ctx.pending.items.append((ctx.weight, x, dy))
+        return dy.matmul(weight_value), None, None, None
+
+
+def deferred_linear(x: torch.Tensor, weight: nn.Parameter, pending: PendingWeightGrads) -> torch.Tensor:
+    """F.linear(x, weight) whose weight gradient is computed by the region's overlapped entry."""
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return F.linear(x, weight)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # cast as autocast would, then multiply without it
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return _DeferredColumnLinear.apply(x.to(dtype), weight.detach().to(dtype), weight, pending)
+    return _DeferredColumnLinear.apply(x, weight.detach(), weight, pending)
+
+
+class _OverlappedEntry(torch.autograd.Function):
+    """A region's entry whose backward overlaps the input gradient's collective with the
+    column-parallel layers' weight-gradient matmuls (Megatron's asynchronous grad-input
+    communication).
+
+    Forward: all-gather along the sequence (sequence parallel) or identity. Backward: start
+    the reduce-scatter (or all-reduce) of dx asynchronously, compute the region's pending
+    dW = dy^T x while it is on the wire, then wait. dW needs only the layers' own x and dy,
+    never the reduced dx: that is the data dependence the overlap uses.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis, layout: str, pending: PendingWeightGrads):
+        ctx.axis, ctx.layout, ctx.pending = axis, layout, pending
+        if layout == "sequence":
+            return comm.all_gather(x, axis, dim=SEQ_DIM).contiguous()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        axis = ctx.axis
+        if ctx.layout == "sequence":  # reduce-scatter along dim 0 of (T, B, C): the sequence
+            reduced, work = comm.reduce_scatter(grad.transpose(0, 1).contiguous(), axis, async_op=True)
+        else:
+            reduced = grad.contiguous().clone()
+            work = comm.all_reduce(reduced, axis, async_op=True)
+        ctx.pending.apply()
+        work.wait()
+        if ctx.layout == "sequence":
+            reduced = reduced.transpose(0, 1)
+        return reduced, None, None, None
+
+
+def overlapped_region_input(x: torch.Tensor, axis: Axis, layout: str, pending: PendingWeightGrads) -> torch.Tensor:
+    """`region_input` whose backward overlaps communication with `pending`'s weight gradients."""
+    if layout == "ready" or axis.size == 1:
+        return region_input(x, axis, layout)
+    if layout not in ("replicated", "sequence"):
+        raise ValueError(f"unknown input layout {layout!r}")
+    return _OverlappedEntry.apply(x, axis, layout, pending)
+
+
 # ----------------------------------------------------------------------------- parallel layers
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T: this rank holds a slice of the output features (rows of W)."""
+    """y_local = x W_local^T: this rank holds a slice of the output features (rows of W).
+
+    pending: with `layout.tp_overlap`, the weight gradient is left there for the (region's or
+    this layer's own) overlapped entry to compute while the input gradient is communicated.
+    """
 
     def __init__(self, in_features: int, out_local: int, axis: Axis, input_layout: str = "ready",
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, pending: PendingWeightGrads | None = None) -> None:
         super().__init__()
-        self.axis, self.input_layout = axis, input_layout
+        self.axis, self.input_layout, self.pending = axis, input_layout, pending
         self.weight = nn.Parameter(torch.empty(out_local, in_features, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(region_input(x, self.axis, self.input_layout), self.weight)  # (B, T, out/tp)
+        if self.pending is None:
+            return F.linear(region_input(x, self.axis, self.input_layout), self.weight)  # (B, T, out/tp)
+        x = overlapped_region_input(x, self.axis, self.input_layout, self.pending)
+        return deferred_linear(x, self.weight, self.pending)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, input={self.input_layout}"
@@ -280,14 +398,28 @@ class _Applier:
     axis: Axis
     config: ModelConfig
     sequence_parallel: bool
+    overlap: bool = False  # layout.tp_overlap: entries overlap dx's collective with the column layers' dW
     # Parameters are named by (module, attribute), not held: materialisation replaces the
     # meta parameter objects after the plan is applied.
     sum_over_tp: list[ParamRef] = field(default_factory=list)  # partial on every tp rank
     repeated: dict[int, list[ParamRef]] = field(default_factory=dict)  # repeat -> kv copies
+    regions: dict[str, PendingWeightGrads] = field(default_factory=dict)  # overlapped region -> its pending dW
 
     @property
     def entry(self) -> str:
         return "sequence" if self.sequence_parallel else "replicated"
+
+    def pending_for(self, name: str, input_layout: str) -> PendingWeightGrads | None:
+        """Where column layer `name` leaves its weight gradient under overlap: its own entry's
+        list, or that of the innermost overlapped region enclosing it; None without overlap."""
+        if not self.overlap:
+            return None
+        if input_layout != "ready":
+            return PendingWeightGrads()
+        parent = name.rpartition(".")[0]
+        while parent and parent not in self.regions:
+            parent = parent.rpartition(".")[0]
+        return self.regions.get(parent)
 
     def replace_module(self, name: str, new: nn.Module) -> None:
         parent, _, child = name.rpartition(".")
@@ -313,7 +445,8 @@ def _colwise(app: _Applier, name: str, module: nn.Linear, count: int | None = No
     count = count or t
     rows = padded_rows or module.weight.shape[0]
     index = app.axis.rank // repeat
-    new = ColumnParallelLinear(module.weight.shape[1], rows // count, app.axis, input_layout, module.weight.device)
+    new = ColumnParallelLinear(module.weight.shape[1], rows // count, app.axis, input_layout, module.weight.device,
+                               app.pending_for(name, input_layout))
     padded = (rows, module.weight.shape[1]) if padded_rows else None
     set_placement(new.weight, _shard_placement(module.weight, f"{name}.weight", Split(0, index, count), padded, repeat))
     if repeat > 1:
@@ -354,9 +487,15 @@ def _style_rowwise_partial(app: _Applier, name: str, module: nn.Module) -> None:
 def _style_region(app: _Applier, name: str, module: nn.Module) -> None:
     """Enter the region once: its input is copied (or gathered) before the column layers."""
     axis, layout = app.axis, app.entry
+    if app.overlap:  # the region's column layers (styled after it) leave their dW here
+        pending = app.regions[name] = PendingWeightGrads()
 
-    def enter(_module: nn.Module, args: tuple) -> tuple:
-        return (region_input(args[0], axis, layout),) + tuple(args[1:])
+        def enter(_module: nn.Module, args: tuple) -> tuple:
+            return (overlapped_region_input(args[0], axis, layout, pending),) + tuple(args[1:])
+    else:
+
+        def enter(_module: nn.Module, args: tuple) -> tuple:
+            return (region_input(args[0], axis, layout),) + tuple(args[1:])
 
     module.register_forward_pre_hook(enter)
 
@@ -428,9 +567,12 @@ STYLES: dict[str, Callable[[_Applier, str, nn.Module], None]] = {
 
 
 def apply_plan(model: nn.Module, plan: dict[str, Style], axis: Axis, config: ModelConfig,
-               sequence_parallel: bool) -> list[Finalizer]:
-    """Apply `plan` (module name -> style) to `model` in place; return the gradient finalizers."""
-    app = _Applier(model, axis, config, sequence_parallel)
+               sequence_parallel: bool, overlap: bool = False) -> list[Finalizer]:
+    """Apply `plan` (module name -> style) to `model` in place; return the gradient finalizers.
+
+    A region is styled before its column layers (plan order), so they find its entry.
+    """
+    app = _Applier(model, axis, config, sequence_parallel, overlap)
     for name, style in plan.items():
         for one in (style,) if isinstance(style, str) else style:
             if one not in STYLES:
@@ -441,7 +583,9 @@ def apply_plan(model: nn.Module, plan: dict[str, Style], axis: Axis, config: Mod
 
 def apply_tensor_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[Finalizer]:
     """Tensor (and sequence) parallelism for one model chunk, built on the meta device."""
-    return apply_plan(chunk, tensor_parallel_plan(chunk), mesh.tp, config.model, config.layout.sequence_parallel)
+    layout = config.layout
+    return apply_plan(chunk, tensor_parallel_plan(chunk), mesh.tp, config.model, layout.sequence_parallel,
+                      layout.tp_overlap)
 
 
 # ----------------------------------------------------------------------------- gradient finalizers

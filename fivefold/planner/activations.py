@@ -29,10 +29,9 @@ sums it; tests measure it with saved-tensor hooks). Per token, fp32::
     mlp_norm: input, rstd, x * rstd; mlp.input h; gate_out, silu_out, up_out, down_input f/t
 
 SDPA (flash and math kernels alike, e.g. fp32 on CPU) saves q, k, v, its output and the
-log-sum-exp per query and head; the output projection's input is the same storage. The
-attention repeats K/V to every local query head before SDPA, so they are saved at query-head
-size (`attention_saved_kv_heads` is the one place that says so; ring attention keeps them
-grouped). bf16 follows autocast: RMSNorm keeps an fp32 copy of its input; under autocast over
+log-sum-exp per query and head; the output projection's input is the same storage. K/V reach
+SDPA with their own grouped heads (``enable_gqa``), so they are saved at key/value-head size
+(`attention_saved_kv_heads` is the one place that says so). bf16 follows autocast: RMSNorm keeps an fp32 copy of its input; under autocast over
 fp32 weights the residual stream and x * rstd stay fp32 and every linear layer saves its own
 bf16 cast of its input and of its weight; the rotary tables are cast per layer for q and k.
 MoE layers replace the MLP by the router (logits, kept by the z-loss's logsumexp, probs,
@@ -50,7 +49,7 @@ runtime all-gathers the QKV/MLP inputs and keeps them whole for the weight gradi
 Context parallelism splits s by c; the all-gather variant saves the gathered K/V (full s)
 and its causal mask, ring and Ulysses save local-size tensors. Expert inputs are not
 sequence-parallel. Selective recomputation checkpoints the attention core, which keeps its
-grouped q, k, v inputs (drops the repeated K/V, sdpa.logsumexp or the GPT softmax terms);
+grouped q, k, v inputs (drops sdpa.logsumexp or the GPT softmax terms);
 full recomputation keeps the layer input only.
 """
 
@@ -176,17 +175,18 @@ def _gpt_mlp(m: ModelSpec, x: _Dims, moe: bool) -> list[SavedTensor]:
 
 
 def attention_saved_kv_heads(m: ModelSpec, lay: LayoutSpec) -> int:
-    """Key/value heads per rank that fivefold's attention saves for backward: the one place
-    that says how grouped-query attention keeps K/V.
+    """Key/value heads per rank, at the rank's saved K/V length, that fivefold's attention
+    saves for backward: the one place that says how grouped-query attention keeps K/V.
 
-    The attention cores (model/attention.py; all-gather and Ulysses context parallelism)
-    repeat each K/V head to the local query heads before SDPA, so SDPA saves K and V at
-    query-head size; ring attention groups the query heads itself and saves K/V at their own
-    size. An attention that saves grouped K/V (SDPA with ``enable_gqa``) changes this function.
+    Every attention core hands K/V to SDPA (``enable_gqa``) or to the fused CPU kernel with
+    their own, grouped heads, so K and V are saved at the rank's key/value heads, never at
+    query-head size. Ulysses sends each rank its heads' K/V for the whole sequence: heads / c
+    for s tokens, the same elements as the repeated-up-to-c heads it sends for s / c tokens.
     """
-    if lay.cp > 1 and lay.cp_kind == "ring":
-        return local_kv_heads(m.n_kv_heads, lay.tp)
-    return m.heads // lay.tp
+    local = local_kv_heads(m.n_kv_heads, lay.tp)
+    if lay.cp > 1 and lay.cp_kind == "ulysses":
+        return ulysses_kv_heads(lay.cp, local)
+    return local
 
 
 def _rmsnorm(prefix: str, rows: int, h: int, x: _Dims) -> list[SavedTensor]:
@@ -236,11 +236,9 @@ def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTenso
     if lay.cp > 1 and lay.cp_kind == "allgather":  # the causal mask of local queries x all keys
         out.append(SavedTensor("sdpa.mask", x.rows * x.s, 1))
     if lay.cp > 1 and lay.cp_kind == "ulysses":
-        # q is a view of the all-to-all's q|k|v buffer, which it keeps whole; the output comes
-        # back through an all-to-all, so the output projection's input is a storage of its own
-        kv_sent = ulysses_kv_heads(lay.cp, local_kv_heads(m.n_kv_heads, t))
-        out += [SavedTensor("ulysses.kv_in_q_buffer", 2 * x.rows * kv_sent * d, ab),
-                SavedTensor("o_proj.input", x.rows * qh * d, ab)]
+        # q, k and v are views of the all-to-all's q|k|v buffer (counted above); the output
+        # comes back through an all-to-all, so the output projection's input is a storage of its own
+        out.append(SavedTensor("o_proj.input", x.rows * qh * d, ab))
     return out
 
 
