@@ -220,9 +220,6 @@ def sequence_segments(algorithm: str, cp: int) -> int:
     return 2 * cp if algorithm in ZIGZAG_ALGORITHMS else cp
 
 
-sequence_chunks = sequence_segments  # the name parallel/context_parallel.py still imports
-
-
 def _check_experts(layout: Layout, model: ModelConfig) -> None:
     if layout.ep > 1 and not model.is_moe:
         raise LayoutError(f"ep={layout.ep} needs a Mixture-of-Experts model (model.num_experts > 0)")

@@ -1,4 +1,4 @@
-"""Context parallelism: exact attention across sequence chunks, training parity, bytes, memory.
+"""Context parallelism: exact attention across sequence segments, training parity, bytes, memory.
 
 Every cp run with cp > 1 has dp x cp > 1, so it needs the data-parallel optimizer
 (`fivefold.parallel.data_parallel.DataParallelAdamW`). Until that module exists, the pool
@@ -26,8 +26,8 @@ from fivefold.parallel.context_parallel import (
     block_forward,
     block_forward_reference,
     capacity_slot_offsets,
-    chunk_count,
-    local_chunks,
+    sequence_segments,
+    local_segments,
     local_positions,
     merge_block,
 )
@@ -43,7 +43,7 @@ def test_zigzag_and_contiguous_positions_cover_the_sequence_once():
             parts = [local_positions(algorithm, cp, r, seq) for r in range(cp)]
             assert torch.equal(torch.sort(torch.cat(parts)).values, torch.arange(seq))
             assert all(len(p) == seq // cp for p in parts)
-    assert local_positions("ring", 2, 0, 8).tolist() == [0, 1, 6, 7]  # chunks 0 and 3 of 4
+    assert local_positions("ring", 2, 0, 8).tolist() == [0, 1, 6, 7]  # segments 0 and 3 of 4
     assert local_positions("ring", 2, 1, 8).tolist() == [2, 3, 4, 5]
     assert local_positions("allgather", 2, 1, 8).tolist() == [4, 5, 6, 7]
 
@@ -109,7 +109,7 @@ def test_online_softmax_blocks_match_full_attention(fused):
 
 
 def test_capacity_offsets_reproduce_single_sequence_dropping():
-    """Each rank's keep mask, from per-chunk counts of the whole sequence, is the full one's slice."""
+    """Each rank's keep mask, from per-segment counts of the whole sequence, is the full one's slice."""
     from fivefold.model.moe import capacity_keep
 
     torch.manual_seed(1)
@@ -119,13 +119,13 @@ def test_capacity_offsets_reproduce_single_sequence_dropping():
     assert not full_keep.all()  # the test must actually drop something
     for algorithm in ("ring", "allgather"):
         for cp in (2, 3):
-            G = chunk_count(algorithm, cp)
+            G = sequence_segments(algorithm, cp)
             size = T // G
             one_hot = F.one_hot(ids, E)
             counts = torch.stack([one_hot[:, g * size : (g + 1) * size].sum(1) for g in range(G)])  # (G, B, k, E)
             for rank in range(cp):
                 pos = local_positions(algorithm, cp, rank, T)
-                offsets = capacity_slot_offsets(counts, local_chunks(algorithm, cp, rank), size)
+                offsets = capacity_slot_offsets(counts, local_segments(algorithm, cp, rank), size)
                 keep = capacity_keep(ids[:, pos], E, capacity, offsets)
                 assert torch.equal(keep, full_keep[:, pos]), (algorithm, cp, rank)
 
@@ -134,7 +134,7 @@ def test_capacity_offsets_reproduce_single_sequence_dropping():
 
 
 def _core_cases(ctx, cases):
-    """Run each distributed core on this rank's chunk of random q, k, v (float64) and compare
+    """Run each distributed core on this rank's segment of random q, k, v (float64) and compare
     output and gradients with full causal attention; count the cp bytes of forward+backward."""
     from fivefold.parallel.context_parallel import CORES
 
@@ -244,7 +244,7 @@ def _tiny(preset: str = "tiny", seq: int = 24, moe_capacity: bool = False, **lay
     """The tiny preset with two layers and Adam's eps at 1e-4 (see PARITY_EPS), on a layout."""
     overrides = [f"train.seq_len={seq}", "model.layers=2", f"train.eps={PARITY_EPS}"]
     overrides += [f"layout.{k}={v}" for k, v in layout.items()]
-    if moe_capacity:  # drop tokens, so capacity priorities across chunks are exercised
+    if moe_capacity:  # drop tokens, so capacity priorities across segments are exercised
         overrides += ["model.dropless=false", "model.capacity_factor=1.0"]
     return load_config(preset, overrides)
 
@@ -288,7 +288,7 @@ def _check_parity_and_bytes(results, configs, reference, steps: int) -> None:
 
 def test_training_parity_and_cp_bytes_4_ranks(pools, reference):
     """cp 2 and 4, alone and with dp=2, every algorithm, lengths that are not powers of two,
-    gradient accumulation, and MoE with capacity drops across chunks."""
+    gradient accumulation, and MoE with capacity drops across segments."""
     configs = [
         _tiny(cp=4, cp_algorithm="ring", seq=40),
         _tiny(cp=4, cp_algorithm="ulysses", seq=24),  # 2 key/value heads repeated to 4
@@ -348,7 +348,7 @@ def test_ring_attention_activation_memory_scales_as_s_over_cp(pools):
 
 def _saved_attention_shapes(ctx, Hq: int, Hkv: int, T: int, d: int):
     """Shapes of every tensor each attention core saves for backward (the single-process core
-    and every cp=2 core), without and with packed documents, on this rank's chunk."""
+    and every cp=2 core), without and with packed documents, on this rank's segment."""
     from fivefold.model.attention import AttentionCore
 
     B = 2

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.model.moe import Experts, capacity_keep
+from fivefold.model.moe import Experts
 from fivefold.parallel.expert_parallel import (
     dispatch_order,
     inverse_permutation,
     rank_splits,
     regroup_by_local_expert,
-    segment_capacity_offsets,
     unpermute,
 )
 from fivefold.volumes import all_to_all_wire_bytes
@@ -93,21 +92,6 @@ def test_inverse_permutation():
         inv = inverse_permutation(perm)
         values = torch.randn(n, generator=gen)
         assert torch.equal(values[perm][inv], values)
-
-
-def test_segment_capacity_offsets_reproduce_whole_sequence_keep():
-    """Capacity decided segment by segment with the offsets equals capacity on the whole sequence."""
-    gen = torch.Generator().manual_seed(3)
-    for B, T, k, E, segments, capacity in [(2, 16, 2, 4, 4, 3), (1, 12, 1, 8, 3, 1), (3, 8, 3, 4, 2, 2)]:
-        ids = torch.stack(
-            [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) for _ in range(B)]
-        )  # (B, T, k), distinct experts per token
-        whole = capacity_keep(ids, E, capacity)
-        parts = ids.chunk(segments, dim=1)
-        per_choice = torch.stack([torch.nn.functional.one_hot(p, E).sum(dim=1) for p in parts])
-        pieces = [capacity_keep(p, E, capacity, segment_capacity_offsets(per_choice, i)) for i, p in enumerate(parts)]
-        assert torch.equal(torch.cat(pieces, dim=1), whole)
-        assert not whole.all()  # the capacity bites in these cases
 
 
 def test_analytic_all_to_all_bytes():

@@ -3,16 +3,16 @@
 Only attention mixes tokens, so it is the only layer that communicates; everything else
 (norms, MLP, head, loss) runs on the rank's own tokens. Each rank keeps the global
 positions of its tokens: RoPE uses them (`MicroBatch.positions`) and so does the causal
-mask, which stays exact across chunks. Three attention algorithms (`layout.cp_algorithm`):
+mask, which stays exact across segments. Three attention algorithms (`layout.cp_algorithm`):
 
 - "allgather": every rank gathers K and V of the whole sequence and attends with its own
-  queries; the backward reduce-scatters dK and dV. Contiguous chunks.
+  queries; the backward reduce-scatters dK and dV. Contiguous segments.
 - "ring": K/V blocks travel around the ring by point-to-point while the current block is
   computed; partial results merge with the log-sum-exp rule (online softmax), the backward
   recomputes block scores and sends the dK/dV accumulators around the ring. Memory per rank
   is O(s/cp): a rank holds a few K/V-sized blocks at a time and never an s x s score matrix
   (on CPU each block runs in the fused flash-attention kernel, which tiles the scores too).
-  Zigzag chunking (rank i holds chunks i and 2cp-1-i of 2cp) gives every rank the same
+  Zigzag segments (rank i holds segments i and 2cp-1-i of 2cp) give every rank the same
   causal work at every ring step.
 - "ulysses": an all-to-all turns sequence-split Q/K/V into head-split Q/K/V of the whole
   sequence, attention runs locally, and an all-to-all turns the output back.
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ..config import Config
 from ..layout import ZIGZAG_ALGORITHMS
-from ..layout import sequence_chunks as chunk_count
+from ..layout import sequence_segments
 from ..mesh import Axis, Mesh
 from ..model.attention import document_causal_mask, grouped_query_attention, positions_in_documents
 from ..step import MicroBatch
@@ -55,8 +55,8 @@ from . import comm
 # ----------------------------------------------------------------------------- sequence layout (pure)
 
 
-def local_chunks(algorithm: str, cp: int, rank: int) -> list[int]:
-    """Global indices of the chunks rank `rank` holds, in local order (always increasing)."""
+def local_segments(algorithm: str, cp: int, rank: int) -> list[int]:
+    """Global indices of the segments rank `rank` holds, in local order (always increasing)."""
     if algorithm in ZIGZAG_ALGORITHMS:
         return [rank, 2 * cp - 1 - rank]
     return [rank]
@@ -64,8 +64,8 @@ def local_chunks(algorithm: str, cp: int, rank: int) -> list[int]:
 
 def local_positions(algorithm: str, cp: int, rank: int, seq_len: int) -> torch.Tensor:
     """Global positions (T/cp,) of this rank's tokens, in local order."""
-    size = seq_len // chunk_count(algorithm, cp)
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in local_chunks(algorithm, cp, rank)])
+    size = seq_len // sequence_segments(algorithm, cp)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in local_segments(algorithm, cp, rank)])
 
 
 def sequence_sharder(mesh: Mesh, config: Config) -> Callable:
@@ -218,9 +218,9 @@ def block_backward_reference(
 def zigzag_block(source: int, rank: int, local_len: int) -> tuple[slice, slice, bool]:
     """Which queries attend to which keys when rank `rank` holds the K/V block of rank `source`.
 
-    Local tokens are the chunks (rank, 2cp-1-rank). Own block: causal. A block from an
-    earlier rank: every query sees its first chunk only. From a later rank: only the second
-    query chunk sees it, whole. Every case is half the block pair: balanced work.
+    Local tokens are the segments (rank, 2cp-1-rank). Own block: causal. A block from an
+    earlier rank: every query sees its first segment only. From a later rank: only the second
+    query segment sees it, whole. Every case is half the block pair: balanced work.
     Returns (query rows, key rows, causal).
     """
     half = local_len // 2
@@ -258,7 +258,7 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal ring attention over zigzag chunks; q (B, Hq, T, d), k, v (B, Hkv, T, d) local."""
+    """Causal ring attention over zigzag segments; q (B, Hq, T, d), k, v (B, Hkv, T, d) local."""
 
     @staticmethod
     def forward(ctx, q, k, v, axis: Axis, documents: torch.Tensor | None = None):
@@ -377,7 +377,7 @@ class RingAttentionCore(nn.Module):
 
 
 class AllGatherKVCore(nn.Module):
-    """Gather K/V of the whole sequence (contiguous chunks); attend with the local queries."""
+    """Gather K/V of the whole sequence (contiguous segments); attend with the local queries."""
 
     def __init__(self, axis: Axis) -> None:
         super().__init__()
@@ -414,7 +414,7 @@ def _seq_to_heads(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     B, H, T, d = x.shape
     n = axis.size
     x = x.reshape(B, n, H // n, T, d).transpose(0, 1)  # (n, B, H/n, T, d): block i goes to rank i
-    x = comm.all_to_all_autograd(x, axis)  # (n, B, H/n, T, d): block i is rank i's chunk
+    x = comm.all_to_all_autograd(x, axis)  # (n, B, H/n, T, d): block i is rank i's segment
     return x.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * T, d)
 
 
@@ -422,7 +422,7 @@ def _heads_to_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """(B, H/cp, T, d) head-split -> (B, H, T/cp, d) sequence-split."""
     B, h, T, d = x.shape
     n = axis.size
-    x = x.reshape(B, h, n, T // n, d).permute(2, 0, 1, 3, 4)  # (n, B, h, T/n, d): chunk i goes to rank i
+    x = x.reshape(B, h, n, T // n, d).permute(2, 0, 1, 3, 4)  # (n, B, h, T/n, d): segment i goes to rank i
     x = comm.all_to_all_autograd(x, axis)  # block i holds head group i
     return x.transpose(0, 1).reshape(B, n * h, T // n, d)
 
@@ -469,24 +469,24 @@ def saved_activation_bytes(fn: Callable[[], torch.Tensor]) -> int:
 
 
 def capacity_slot_offsets(
-    global_counts: torch.Tensor, chunks: list[int], chunk_len: int
+    global_counts: torch.Tensor, segments: list[int], segment_len: int
 ) -> torch.Tensor:
     """Per-slot count of higher-priority slots to the same expert that the local cumsum misses.
 
-    global_counts (G, B, k, E): slots per (sequence chunk, sequence, choice rank, expert), for
-    all G chunks of the sequence. `capacity_keep` adds, for each local slot, the same-choice
+    global_counts (G, B, k, E): slots per (sequence segment, sequence, choice rank, expert), for
+    all G segments of the sequence. `capacity_keep` adds, for each local slot, the same-choice
     slots of earlier local tokens; this returns the rest of the GShard priority order:
-    every slot of an earlier choice rank, plus same-choice slots of earlier chunks held
-    elsewhere. Returns (B, len(chunks) * chunk_len, k, E).
+    every slot of an earlier choice rank, plus same-choice slots of earlier segments held
+    elsewhere. Returns (B, len(segments) * segment_len, k, E).
     """
     total = global_counts.sum(dim=0)  # (B, k, E)
     earlier_choices = total.cumsum(dim=1) - total
-    earlier_chunks = global_counts.cumsum(dim=0) - global_counts  # (G, B, k, E)
+    earlier_segments = global_counts.cumsum(dim=0) - global_counts  # (G, B, k, E)
     counted_locally = torch.zeros_like(total)
     pieces = []
-    for g in chunks:
-        offset = earlier_choices + earlier_chunks[g] - counted_locally  # (B, k, E)
-        pieces.append(offset[:, None].expand(-1, chunk_len, -1, -1))
+    for g in segments:
+        offset = earlier_choices + earlier_segments[g] - counted_locally  # (B, k, E)
+        pieces.append(offset[:, None].expand(-1, segment_len, -1, -1))
         counted_locally = counted_locally + global_counts[g]
     return torch.cat(pieces, dim=1)
 
@@ -494,10 +494,10 @@ def capacity_slot_offsets(
 def make_capacity_offsets(
     axis: Axis, algorithm: str, num_experts: int, local_len: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """MoE hook: per-slot capacity offsets from every cp rank's per-chunk expert counts."""
+    """MoE hook: per-slot capacity offsets from every cp rank's per-segment expert counts."""
     n, rank = axis.size, axis.rank
-    mine = local_chunks(algorithm, n, rank)
-    order = [c for r in range(n) for c in local_chunks(algorithm, n, r)]  # chunk index of each gathered row
+    mine = local_segments(algorithm, n, rank)
+    order = [c for r in range(n) for c in local_segments(algorithm, n, r)]  # segment index of each gathered row
 
     def offsets(expert_ids: torch.Tensor) -> torch.Tensor:  # (B, T, k)
         T = expert_ids.shape[1]
@@ -505,13 +505,13 @@ def make_capacity_offsets(
             raise NotImplementedError(
                 f"context-parallel capacity offsets expect the rank's {local_len} tokens per sequence, got {T}"
             )
-        chunk_len = T // len(mine)
+        segment_len = T // len(mine)
         one_hot = F.one_hot(expert_ids, num_experts)  # (B, T, k, E)
-        counts = torch.stack([one_hot[:, i * chunk_len : (i + 1) * chunk_len].sum(1) for i in range(len(mine))])
+        counts = torch.stack([one_hot[:, i * segment_len : (i + 1) * segment_len].sum(1) for i in range(len(mine))])
         gathered = comm.all_gather(counts, axis, dim=0)  # (n * m, B, k, E) in rank order
-        by_chunk = torch.empty_like(gathered)
-        by_chunk[torch.tensor(order)] = gathered
-        return capacity_slot_offsets(by_chunk, mine, chunk_len)
+        by_segment = torch.empty_like(gathered)
+        by_segment[torch.tensor(order)] = gathered
+        return capacity_slot_offsets(by_segment, mine, segment_len)
 
     return offsets
 

@@ -90,20 +90,6 @@ def unpermute(rows: torch.Tensor, order: torch.Tensor, num_slots: int) -> torch.
     return out.index_copy(0, order, rows)
 
 
-def segment_capacity_offsets(per_choice: torch.Tensor, index: int) -> torch.Tensor:
-    """Capacity offsets of sequence segment `index`, from every segment's assignment counts.
-
-    per_choice (n_segments, B, k, E): assignments per (sequence, choice rank, expert) in each
-    segment, segments in sequence order. A slot's queue position counts the earlier choice ranks
-    of the whole sequence plus the same choice rank in earlier segments (GShard's priority).
-    Returns (B, k, E).
-    """
-    whole = per_choice.sum(dim=0)  # (B, k, E)
-    earlier_choices = whole.cumsum(dim=1) - whole
-    earlier_segments = per_choice[:index].sum(dim=0)
-    return earlier_choices + earlier_segments
-
-
 # ----------------------------------------------------------------------------- the dispatcher
 
 
@@ -197,5 +183,5 @@ def moe_dispatchers(chunks: Sequence[nn.Module]) -> dict[str, ExpertParallelDisp
 __all__ = [
     "ExpertParallelDispatcher", "apply_expert_parallel",
     "dispatch_order", "inverse_permutation", "moe_dispatchers", "rank_splits",
-    "regroup_by_local_expert", "segment_capacity_offsets", "unpermute",
+    "regroup_by_local_expert", "unpermute",
 ]
