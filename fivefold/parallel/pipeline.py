@@ -28,7 +28,8 @@ Zero-bubble weight step
     parameter's accumulation hook fires once per micro-batch, in W, as data parallel's
     bucket counting expects. The model stays plain PyTorch. Under
     recompute=full nothing is deferred (the recomputed forward would not rebuild the
-    deferred linears): B then computes every gradient and W has nothing left to do.
+    deferred linears): B then computes every gradient and W has nothing left to do; the
+    same under train.compile (a compiled block's backward cannot leave its matmuls behind).
 
 Gradients and the loss
     Every micro-batch's loss is CE_sum / (global_batch x seq_len) + aux / global_batch, as in
@@ -280,7 +281,11 @@ class PipelineRunner:
         self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
         # Full recomputation replays a block's forward inside backward, where the deferring
         # mode is not active: its saved tensors would not match, so W is then empty (B does all).
-        self.split_weight_grads = any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full"
+        # So too under train.compile: a compiled block's backward is one node that computes
+        # its weight gradients with its input gradient.
+        self.split_weight_grads = (
+            any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full" and not config.train.compile
+        )
         self.param_ids = [{id(p) for p in params} for params in self.params]
         self.timeline = None  # a fivefold.timeline.Timeline to record the next steps
         self.measure_memory = False
