@@ -18,7 +18,7 @@ from fivefold.layout import validate
 from fivefold.mesh import Mesh
 from fivefold.parity import assert_parity, train_trace
 from helpers import many_layout_parity, traces_on_rank
-from test_precision import _check_close_to_fp32 as check_close_to_fp32
+from test_precision import BF16_LOSS_RTOL, BF16_PARAM_DISPLACEMENT_RTOL
 
 STEPS = 2
 
@@ -92,12 +92,18 @@ def test_compiled_selective_recompute_and_expert_parallel_match_eager(pools, eag
 
 
 @pytest.mark.parametrize("policy", [["train.dtype=bf16", "train.param_dtype=bf16"], ["train.dtype=bf16"]])
-def test_compiled_bf16_is_as_close_to_fp32_as_eager_bf16(pools, reference, policy):
+def test_compiled_bf16_is_within_bf16_rounding_of_fp32(pools, reference, policy):
     # Inductor computes a fused chain of bf16 element-wise operations in fp32 and rounds once,
     # where eager rounds after every operation: compiled and eager bf16 differ by bf16
     # rounding, not by fp32 rounding. Both policies (bf16 parameters, and fp32 parameters
-    # under bf16 autocast) are held to test_precision's bounds against the fp32 run.
+    # under bf16 autocast) are held to test_precision's bounds against the fp32 run, on what
+    # parity compares: the loss of every step and the final parameters.
     config = compiled_tiny("layout.dp=2", *policy)
     trace = pools.run(2, traces_on_rank, [config], STEPS)[0][0]
     fp32 = eager(compiled_tiny("layout.dp=2"))
-    check_close_to_fp32(config, trace, reference(fp32, STEPS), reference(fp32, 0))
+    expected, initial = reference(fp32, STEPS), reference(fp32, 0)
+    assert trace.losses == pytest.approx(expected.losses, rel=BF16_LOSS_RTOL)
+    for name, ref in expected.params.items():
+        moved = (ref - initial.params[name]).norm()
+        relative = float((trace.params[name].float() - ref).norm() / moved)
+        assert relative <= BF16_PARAM_DISPLACEMENT_RTOL, (name, relative)
