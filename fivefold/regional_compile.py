@@ -8,9 +8,14 @@ What is compiled is `Block._forward` (the computation), not the module call. The
 that strategies install on a block (ZeRO-3's parameter gathers, activation recomputation's
 checkpoint, the pipeline's bookkeeping) therefore stay eager around the compiled code.
 Hooks on modules *inside* a block (tensor-parallel region entries and exits, the context
-parallel attention core, expert all-to-alls) run inside the compiled function; dynamo
-breaks the graph at their collectives and runs those eagerly, so a block compiles into a
-few graphs between the collectives.
+parallel attention core) run inside the compiled function; dynamo breaks the graph at their
+collectives and runs those eagerly, so a block compiles into a few graphs between the
+collectives.
+
+A Mixture-of-Experts layer (router, dispatch, experts) runs eagerly inside the compiled
+block: how many tokens each expert gets is data, so every step would bring new shapes to
+compile, the expert-parallel all-to-all sizes are read back to Python, and torch's grouped
+GEMM has no fp32 kernel for the compiler to trace. Attention and the norms stay compiled.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from .model import Transformer
 from .model.llama import Block
+from .model.moe import MoE
 
 
 def compile_blocks(chunk: Transformer) -> None:
@@ -31,4 +37,6 @@ def compile_blocks(chunk: Transformer) -> None:
 def compile_block(block: Block) -> None:
     # An instance attribute shadows the method: Block.forward (eager, with its hooks and
     # recomputation) calls self._forward, which is now the compiled computation.
+    if isinstance(block.mlp, MoE):
+        setattr(block.mlp, "forward", torch.compiler.disable(block.mlp.forward))
     setattr(block, "_forward", torch.compile(block._forward))

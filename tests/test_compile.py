@@ -1,4 +1,10 @@
-"""train.compile: each block's computation compiled, hooks eager, parity with the eager run."""
+"""train.compile: each block's computation compiled, hooks eager, parity with the eager run.
+
+Every layout axis is covered: data parallel, ZeRO-3, tensor + sequence parallel, the pipeline
+schedules, context parallel (each algorithm), expert parallel, recomputation and bf16. Tiny
+models and two steps keep compilation short; layouts whose blocks see the same shapes share a
+pool call, since their graphs come from inductor's on-disk cache.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from fivefold.config import load_config
 from fivefold.layout import validate
 from fivefold.mesh import Mesh
 from fivefold.parity import assert_parity, train_trace
-from helpers import many_layout_parity
+from helpers import many_layout_parity, traces_on_rank
+from test_precision import BF16_LOSS_RTOL, BF16_PARAM_DISPLACEMENT_RTOL
 
 STEPS = 2
 
@@ -54,3 +61,49 @@ def test_compiled_data_and_tensor_parallel_match_eager(pools, eager_reference):
     # block's graph at its collectives) and gets the pool's full timeout for it.
     for overrides in (["layout.dp=2"], ["layout.tp=2", "layout.sequence_parallel=true"]):
         many_layout_parity(pools, eager_reference, [compiled_tiny(*overrides)], steps=STEPS)
+
+
+def test_compiled_pipeline_zero3_and_full_recompute_match_eager(pools, eager_reference):
+    # Every layout here runs blocks on micro-batches of the single-process test's shape, so
+    # their graphs come from inductor's cache: one pool call holds them all. zb-h1 under
+    # compile defers no weight gradient (a compiled block's backward is one node): B does all.
+    layouts = [
+        ["layout.pp=2", "layout.grad_accum=2"],
+        ["layout.pp=2", "layout.vpp=2", "layout.pp_schedule=interleaved", "layout.grad_accum=2"],
+        ["layout.pp=2", "layout.pp_schedule=zb-h1", "layout.grad_accum=2"],
+        ["layout.dp=2", "layout.zero=3"],
+        ["layout.dp=2", "layout.recompute=full"],
+    ]
+    many_layout_parity(pools, eager_reference, [compiled_tiny(*o) for o in layouts], steps=STEPS)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "allgather", "ulysses"])
+def test_compiled_context_parallel_matches_eager(pools, eager_reference, algorithm):
+    # One pool call per algorithm: each has its own attention core and compiles its own graphs.
+    config = compiled_tiny("layout.cp=2", f"layout.cp_algorithm={algorithm}")
+    many_layout_parity(pools, eager_reference, [config], steps=STEPS)
+
+
+def test_compiled_selective_recompute_and_expert_parallel_match_eager(pools, eager_reference):
+    # The MoE layer runs eagerly inside its compiled block (token counts per expert are data).
+    configs = [compiled_tiny("layout.dp=2", "layout.recompute=selective")]
+    configs += [load_config("tiny-moe", ["train.seq_len=16", "train.compile=true", "layout.dp=2", "layout.ep=2"])]
+    many_layout_parity(pools, eager_reference, configs, steps=STEPS)
+
+
+@pytest.mark.parametrize("policy", [["train.dtype=bf16", "train.param_dtype=bf16"], ["train.dtype=bf16"]])
+def test_compiled_bf16_is_within_bf16_rounding_of_fp32(pools, reference, policy):
+    # Inductor computes a fused chain of bf16 element-wise operations in fp32 and rounds once,
+    # where eager rounds after every operation: compiled and eager bf16 differ by bf16
+    # rounding, not by fp32 rounding. Both policies (bf16 parameters, and fp32 parameters
+    # under bf16 autocast) are held to test_precision's bounds against the fp32 run, on what
+    # parity compares: the loss of every step and the final parameters.
+    config = compiled_tiny("layout.dp=2", *policy)
+    trace = pools.run(2, traces_on_rank, [config], STEPS)[0][0]
+    fp32 = eager(compiled_tiny("layout.dp=2"))
+    expected, initial = reference(fp32, STEPS), reference(fp32, 0)
+    assert trace.losses == pytest.approx(expected.losses, rel=BF16_LOSS_RTOL)
+    for name, ref in expected.params.items():
+        moved = (ref - initial.params[name]).norm()
+        relative = float((trace.params[name].float() - ref).norm() / moved)
+        assert relative <= BF16_PARAM_DISPLACEMENT_RTOL, (name, relative)

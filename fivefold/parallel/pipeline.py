@@ -31,7 +31,8 @@ Zero-bubble weight step
     parameter's accumulation hook fires once per micro-batch, in W, as data parallel's
     bucket counting expects. The model stays plain PyTorch. Under
     recompute=full nothing is deferred (the recomputed forward would not rebuild the
-    deferred linears): B then computes every gradient and W has nothing left to do.
+    deferred linears): B then computes every gradient and W has nothing left to do; the
+    same under train.compile (a compiled block's backward cannot leave its matmuls behind).
 
 Gradients and the loss
     Every micro-batch's loss is CE_sum / (global_batch x seq_len) + aux / global_batch, as in
@@ -402,8 +403,12 @@ class PipelineRunner:
         self.sp_factor = layout.tp if layout.sequence_parallel else 1
         self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
         # Full recomputation replays a block's forward inside backward, where the deferral
-        # does not collect: nothing would be deferred, so W is then empty (B does all).
-        self.split_weight_grads = any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full"
+        # does not collect: nothing would be deferred, so W is then empty (B does all). So too
+        # under train.compile: a compiled block's backward is one node that computes its
+        # weight gradients with its input gradient.
+        self.split_weight_grads = (
+            any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full" and not config.train.compile
+        )
         self.params_reversed = [params[::-1] for params in self.params]  # W accumulates as backward would
         self.deferrals = [WeightGradDeferral(chunk) for chunk in self.chunks] if self.split_weight_grads else []
         self.timeline = None  # a fivefold.timeline.Timeline to record the next steps
