@@ -25,6 +25,12 @@ CHECKED = [
     "fivefold/parallel/protocols.py",  # the protocols
     "fivefold/parallel/optim.py",  # ReplicatedAdamW, LocalGradients, the AdamW arithmetic
     "fivefold/parallel/data_parallel.py",  # BucketAllReduce, FlatAdamW, DataParallelAdamW
+    "fivefold/parallel/zero.py",  # ZeroGradientSync, ZeroAdamW, the parameter gatherer
+    "fivefold/parallel/pipeline.py",  # the runner registers no finalizer of its own; W steps
+    "fivefold/parallel/schedules.py",  # the schedule tables and their simulator
+    "fivefold/parallel/comm.py",  # every collective
+    "fivefold/checkpoint",  # calls CheckpointState directly
+    "fivefold/timeline.py",  # reads the pipeline runner
     "fivefold/parallelize.py",  # builds the optimizer, registers the finalizers, ParallelModel
     "fivefold/train.py",  # the loop
     "fivefold/memory.py",  # held_tensors / padding_bytes

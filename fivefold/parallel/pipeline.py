@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -411,7 +411,7 @@ class PipelineRunner:
         )
         self.params_reversed = [params[::-1] for params in self.params]  # W accumulates as backward would
         self.deferrals = [WeightGradDeferral(chunk) for chunk in self.chunks] if self.split_weight_grads else []
-        self.timeline = None  # a fivefold.timeline.Timeline to record the next steps
+        self.timeline: Any = None  # a fivefold.timeline.Timeline (a tool, above this layer) to record the next steps
         self.measure_memory = False
         self.memory = StepMemory(0, 0)
         mark_tied_copies(self.chunks, config.model)  # parallelize() registers tied_gradient_finalizer

@@ -145,13 +145,13 @@ class ZeroGradientSync:
     def _launch(self, bucket: FlatBucket) -> Pending:
         i = bucket.index
         if self.stage == 1:
-            wire = bucket.grads.to(self.settings.reduce_dtype)  # the buffer itself when the dtypes agree
+            wire = flat_grads(bucket).to(self.settings.reduce_dtype)  # the buffer itself when the dtypes agree
             lo, hi = self.ranges[i]
             # In place: the sum lands in this rank's slice of the buffer it was summed from.
             work = comm.reduce_scatter_into(wire[lo:hi], wire, bucket.axis, async_op=True)
 
             def land() -> None:
-                own = bucket.grads[lo:hi]
+                own = flat_grads(bucket)[lo:hi]
                 if wire is not bucket.grads:
                     own.copy_(wire[lo:hi])  # the sum, stored back in the gradients' dtype
                 self.grad_shards[i] = own
@@ -166,10 +166,11 @@ class ZeroGradientSync:
 
     def _accumulate_shard(self, i: int, reduced: torch.Tensor) -> None:
         """Add one backward's reduced shard to the sharded gradient (stored in the parameters' dtype)."""
-        if self.grad_shards[i] is None:
+        held = self.grad_shards[i]
+        if held is None:
             self.grad_shards[i] = reduced.to(self.settings.param_dtype)
         else:
-            self.grad_shards[i].add_(reduced)
+            held.add_(reduced)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.no_sync()
@@ -295,7 +296,8 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
     """
     units: list[Unit] = []
     for c, chunk in enumerate(chunks):
-        blocks = dict(chunk.layers.items()) if isinstance(getattr(chunk, "layers", None), nn.ModuleDict) else {}
+        layers = getattr(chunk, "layers", None)
+        blocks = dict(layers.items()) if isinstance(layers, nn.ModuleDict) else {}
         in_blocks = {id(p) for block in blocks.values() for p in block.parameters()}
         root = [(n, p) for n, p in trainable([chunk]) if id(p) not in in_blocks]
         members = [(f"chunk{c}.root", chunk, root)] if root else []
@@ -359,8 +361,9 @@ class ParameterGatherer:
             return
         for b in unit.buckets:
             if self.status[id(b)] == "free":
-                b.params.untyped_storage().resize_(b.numel * b.params.element_size())
-                self.works[id(b)] = comm.all_gather_into(b.params, self.shard_of[id(b)], b.axis, async_op=True)
+                flat = flat_params(b)
+                flat.untyped_storage().resize_(b.numel * flat.element_size())
+                self.works[id(b)] = comm.all_gather_into(flat, self.shard_of[id(b)], b.axis, async_op=True)
                 self.status[id(b)] = "gathering"
 
     def ensure_full(self, unit: Unit, then: Unit | None = None) -> None:
@@ -380,7 +383,7 @@ class ParameterGatherer:
 
     def free_bucket(self, b: FlatBucket) -> None:
         self._wait(b)
-        b.params.untyped_storage().resize_(0)
+        flat_params(b).untyped_storage().resize_(0)
         self.status[id(b)] = "free"
 
     def free_unit(self, unit: Unit) -> None:
