@@ -21,9 +21,9 @@ Zero-bubble weight step
     installs, once at build time, a `WeightGradDeferral` on each chunk: hooks on every
     module owning a 2-D weight (attention and MLP projections, the router, the head, their
     tensor-parallel versions) run that module's forward under `DeferWeightGrads`, a
-    torch-function mode that routes its bias-free `F.linear` on the module's weight
-    through `_DeferredLinear`; the rest of the forward runs untouched. Its backward returns only the
-    input gradient and leaves (input, output gradient) behind, so the input-gradient step
+    torch-function mode that routes its bias-free `F.linear` on the module's weight through
+    `deferred_linear` (parallel/deferred.py); the rest of the forward runs untouched. Its
+    backward returns only the input gradient and leaves (input, output gradient) behind, so the input-gradient step
     (B) is a full backward minus those matmuls and frees the graph; the gradients of the
     other parameters (norms, embedding, expert weights) are computed in B but held, not
     accumulated. The weight step (W) does the deferred work, dW = dy^T x for each linear,
@@ -59,6 +59,7 @@ from ..stages import balanced_counts, head_cost, layer_cost  # noqa: F401  (the 
 from ..stages import stage_layer_counts as split_counts
 from ..stages import stage_layer_ids as split_ids
 from . import comm
+from .deferred import PendingWeightGrad, deferred_linear, weight_grad
 from .schedules import Action, ActionKind, build_schedule, group_steps, stage_of
 from ..step import autocast_for, sequence_scale, token_scale
 from .sharding import get_placement, set_placement
@@ -133,35 +134,6 @@ def tied_gradient_finalizer(chunks: list[Transformer], mesh: Mesh, model: ModelC
 # ------------------------------------------------------------------ deferred weight gradients
 
 
-@dataclass
-class PendingWeightGrad:
-    """What a deferred linear left for the weight step: dW = dy^T x."""
-
-    weight: torch.Tensor
-    input: torch.Tensor  # x (W casts it to dy's dtype, as autocast did for the matmul)
-    output_grad: torch.Tensor  # dy
-
-
-class _DeferredLinear(torch.autograd.Function):
-    """y = x W^T whose backward returns dx and leaves (x, dy) in `pending` for later.
-
-    The weight enters detached, so the input-gradient backward never reaches the weight's
-    gradient accumulator: that happens once, in the weight step.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight_value: torch.Tensor, weight: torch.Tensor, pending: list):
-        ctx.save_for_backward(x, weight_value)
-        ctx.weight, ctx.pending = weight, pending
-        return F.linear(x, weight_value)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, weight_value = ctx.saved_tensors
-        ctx.pending.append(PendingWeightGrad(ctx.weight, x, dy))
-        return dy.matmul(weight_value.to(dy.dtype)), None, None, None
-
-
 class DeferWeightGrads(TorchFunctionMode):
     """While active, `F.linear(x, W)` with W one of `weights` defers W's gradient to `pending`
     and records id(W) in `deferred`."""
@@ -176,12 +148,7 @@ class DeferWeightGrads(TorchFunctionMode):
         if func is F.linear and self._deferrable(*args, **kwargs):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             self.deferred.add(id(weight))
-            device = x.device.type
-            if torch.is_autocast_enabled(device):  # cast as autocast would, then matmul without it
-                dtype = torch.get_autocast_dtype(device)
-                with torch.autocast(device, enabled=False):
-                    return _DeferredLinear.apply(x.to(dtype), weight.detach().to(dtype), weight, self.pending)
-            return _DeferredLinear.apply(x, weight.detach(), weight, self.pending)
+            return deferred_linear(x, weight, self.pending)
         return func(*args, **kwargs)
 
     def _deferrable(self, x, weight, bias=None) -> bool:
@@ -282,9 +249,7 @@ def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: 
     def compute() -> torch.Tensor | None:
         grad = held
         while items:
-            item = items.pop(0)
-            dy, x = item.output_grad, item.input.to(item.output_grad.dtype)  # autocast's cast of x, if any
-            dw = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(param.dtype)
+            dw = weight_grad(items.pop(0)).to(param.dtype)
             grad = dw if grad is None else dw + grad
         return grad
 

@@ -66,6 +66,7 @@ from ..mesh import Axis, Mesh
 from ..model import MoE, Transformer
 from ..volumes import padded_vocab
 from . import comm
+from .deferred import PendingWeightGrad, deferred_linear, weight_grad
 from .sharding import Placement, Split, get_placement, set_placement
 
 SEQ_DIM = 1  # activations are (B, T, C): sequence parallel splits T
@@ -131,56 +132,21 @@ class PendingWeightGrads:
     """The weight gradients a region's column-parallel layers left for the region's entry.
 
     One per region (or per layer that enters on its own). Backward reaches the column layers
-    of one micro-batch's region, then its entry: each layer appends (weight, x, dy), the entry
-    computes them while its input gradient travels.
+    of one micro-batch's region, then its entry: each layer leaves (weight, x, dy) in `items`
+    (parallel/deferred.py), the entry computes them while its input gradient travels.
     """
 
-    items: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    items: list[PendingWeightGrad] = field(default_factory=list)
 
     def apply(self) -> None:
         """dW = dy^T x for every pending layer, accumulated by autograd (so gradient hooks,
         e.g. data parallel's bucket reduction, fire as for any other gradient)."""
         if not self.items:
             return
-        weights, grads = [], []
-        for weight, x, dy in self.items:
-            grad = dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))  # (out, in)
-            weights.append(weight)
-            grads.append(grad.to(weight.dtype))
+        weights = [item.weight for item in self.items]
+        grads = [weight_grad(item).to(item.weight.dtype) for item in self.items]
         self.items.clear()
         torch.autograd.backward(weights, grads)
-
-
-class _DeferredColumnLinear(torch.autograd.Function):
-    """y = x W^T whose backward returns dx only and leaves (W, x, dy) to the region's entry.
-
-    The weight enters detached (its value) and by reference: autograd never computes its
-    gradient here; `PendingWeightGrads.apply` does, in the entry's backward.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight_value: torch.Tensor, weight: nn.Parameter, pending: PendingWeightGrads):
-        ctx.save_for_backward(x, weight_value)
-        ctx.weight, ctx.pending = weight, pending
-        return F.linear(x, weight_value)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, weight_value = ctx.saved_tensors
-        ctx.pending.items.append((ctx.weight, x, dy))
-        return dy.matmul(weight_value), None, None, None
-
-
-def deferred_linear(x: torch.Tensor, weight: nn.Parameter, pending: PendingWeightGrads) -> torch.Tensor:
-    """F.linear(x, weight) whose weight gradient is computed by the region's overlapped entry."""
-    if not (torch.is_grad_enabled() and weight.requires_grad):
-        return F.linear(x, weight)
-    device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast would, then multiply without it
-        dtype = torch.get_autocast_dtype(device)
-        with torch.autocast(device, enabled=False):
-            return _DeferredColumnLinear.apply(x.to(dtype), weight.detach().to(dtype), weight, pending)
-    return _DeferredColumnLinear.apply(x, weight.detach(), weight, pending)
 
 
 class _OverlappedEntry(torch.autograd.Function):
@@ -245,7 +211,7 @@ class ColumnParallelLinear(nn.Module):
         if self.pending is None:
             return F.linear(region_input(x, self.axis, self.input_layout), self.weight)  # (B, T, out/tp)
         x = overlapped_region_input(x, self.axis, self.input_layout, self.pending)
-        return deferred_linear(x, self.weight, self.pending)
+        return deferred_linear(x, self.weight, self.pending.items)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, input={self.input_layout}"
