@@ -5,8 +5,8 @@ head to the query heads it serves before SDPA (`repeat_interleave`, as fivefold 
 as transformers' eager attention does), which copies K and V to query-head size and makes SDPA
 save them at that size. Both models hold the same weights and run forward + backward of one
 batch of the preset (cross entropy over all tokens) in one process, alternating
-(fivefold.bench). Reported per preset: the median time ratio and the bytes each layer saves for
-backward (saved-tensor hooks, fivefold.activation_memory), which do not depend on load, and
+(fivefold.tools.bench). Reported per preset: the median time ratio and the bytes each layer saves for
+backward (saved-tensor hooks, fivefold.tools.saved_activations), which do not depend on load, and
 the median per-round ratio of the process CPU time of each call (one torch thread by default):
 on a machine shared with other work it moves far less than the wall time.
 
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run directly from a checkout
 
-from fivefold.activation_memory import measure_saved_bytes  # noqa: E402
-from fivefold.bench import Comparison, alternate, compare, print_table, write_json  # noqa: E402
+from fivefold.tools.saved_activations import measure_saved_bytes  # noqa: E402
+from fivefold.tools.bench import Comparison, alternate, compare, print_table, write_json  # noqa: E402
 from fivefold.config import load_config  # noqa: E402
 from fivefold.model.attention import AttentionCore  # noqa: E402
 from fivefold.model.llama import Transformer  # noqa: E402

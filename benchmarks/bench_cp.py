@@ -20,7 +20,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from fivefold.bench import CaseResult, alternate, compare, gather_peak_rss, print_table, write_json
+from fivefold.tools.bench import CaseResult, alternate, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import load_config
 from fivefold.layout import validate
 from fivefold.mesh import Mesh

@@ -1,6 +1,6 @@
 """Prepared data: preparation tokens/s, loader against training tokens/s, start-up and memory against corpus size.
 
-Three measurements, each side by side in one run (fivefold.bench):
+Three measurements, each side by side in one run (fivefold.tools.bench):
 
 1. prepare: a synthetic .jsonl corpus prepared with one worker and with every core
    (`fivefold data prepare`); tokens/s of each and their ratio.
@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run directly from a checkout
 
-from fivefold.bench import alternate  # noqa: E402
+from fivefold.tools.bench import alternate  # noqa: E402
 from fivefold.indexed import FORMAT, MANIFEST, sha256_of, shard_name  # noqa: E402
 
 WORDS = "the of and to in is was for that with as on by at from his her they this which be".split()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fivefold.bench import alternate, compare, gather_peak_rss, print_table, write_json
+from fivefold.tools.bench import alternate, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import Layout
 from fivefold.mesh import Mesh
 from fivefold.model.llama import MLP as SwiGLU  # one expert, as DeepSpeed wants it: a module it copies

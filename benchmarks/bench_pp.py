@@ -6,7 +6,7 @@ Run with one process per pipeline stage, e.g.
 
 Both sides run the same modules (the fivefold stage chunks, same weights, same layers per
 stage) on the same global batch; one case = forward + backward of every micro-batch. The
-cases alternate in one run (fivefold.bench.alternate) and the table reports the median of
+cases alternate in one run (fivefold.tools.bench.alternate) and the table reports the median of
 per-round time ratios against torch's GPipe. The bubble of each case is measured, not
 modelled: every rank records when it computes (fivefold's timeline; autograd markers
 around torch's stage modules) and bubble = 1 - sum(busy) / (stages x step time).
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fivefold.bench import alternate, compare, gather_peak_rss, print_table, write_json
+from fivefold.tools.bench import alternate, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import load_config
 from fivefold.data import Sampler, load_tokenizer, load_tokens
 from fivefold.layout import validate
@@ -48,7 +48,7 @@ from fivefold.parallel import comm
 from fivefold.parallel.schedules import stage_of
 from fivefold.parallelize import cross_entropy_sum
 from fivefold.stages import bubble_units
-from fivefold.timeline import COMPUTE_KINDS, Timeline, bubble_formula, busy_seconds, gather_rows
+from fivefold.tools.timeline import COMPUTE_KINDS, Timeline, bubble_formula, busy_seconds, gather_rows
 from fivefold.train import build, local_micro_batches
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}

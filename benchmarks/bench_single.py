@@ -10,7 +10,7 @@ of cases times forward + backward only, without the optimizer.
 
 A fp32 (or bf16) GEMM of the model's largest matmul shape is timed in the same rounds, so
 model FLOPs utilisation (fivefold.metrics) is stated against the FLOP/s this machine
-reached while the benchmark ran. All cases alternate after a warm-up (fivefold.bench).
+reached while the benchmark ran. All cases alternate after a warm-up (fivefold.tools.bench).
 
     fivefold bench single --rounds 5 --steps 2 --dtype fp32
     python benchmarks/bench_single.py --dtype fp32,bf16
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run directly from a checkout
 
-from fivefold.bench import CaseResult, Comparison, alternate, compare, write_json  # noqa: E402
+from fivefold.tools.bench import CaseResult, Comparison, alternate, compare, write_json  # noqa: E402
 from fivefold.config import Config, ModelConfig, load_config  # noqa: E402
 from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
 from fivefold.layout import validate  # noqa: E402

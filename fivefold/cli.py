@@ -133,7 +133,7 @@ def choose_layout_automatically(config: Config, world_size: int | None) -> Confi
 
 
 def cmd_generate(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    from .generate import check_sampling_args, generate_text
+    from .tools.generate import check_sampling_args, generate_text
 
     check_sampling_args(args.max_new_tokens, args.temperature, args.seed)
 
@@ -148,7 +148,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str], argv: list[str]) ->
 
 
 def cmd_report(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    from .report import run_report_cli
+    from .tools.report import run_report_cli
 
     return run_report_cli(argv[1:])
 
@@ -156,13 +156,13 @@ def cmd_report(args: argparse.Namespace, overrides: list[str], argv: list[str]) 
 def cmd_parity(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     if args.steps < 1:
         raise CliError(f"--steps={args.steps} must be at least 1: parity compares the losses of that many steps")
-    from .parity_cli import run_parity_cli
+    from .tools.parity_cli import run_parity_cli
 
     return run_parity_cli(args, overrides)
 
 
 def cmd_bench(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    from .bench import run_bench_cli
+    from .tools.bench import run_bench_cli
 
     return run_bench_cli(argv[1:])
 
@@ -180,7 +180,7 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str], argv: list[str])
 
 
 def cmd_dryrun(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    from .dryrun import run_dryrun_cli
+    from .tools.dryrun import run_dryrun_cli
 
     config = config_from_args(args.config, args.layout, overrides)
     return run_dryrun_cli(config, args.world_size, args.rank, args.hardware)

@@ -28,7 +28,7 @@ from .metrics import (
 from .parallel import comm
 from .prediction import check_drift, write_prediction
 from .rundir import RunLock, atomic_write, claim, continues_a_checked_job, default_run_dir, write_json
-from .timeline import trace_step
+from .tools.timeline import trace_step
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
 

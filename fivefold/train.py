@@ -20,7 +20,7 @@ import torch
 
 from .config import Config
 from .data import Sampler, TokenData, micro_batches
-from .memory import held_memory
+from .held_memory import held_memory
 from .mesh import Mesh
 from .model.moe import MoE
 from .metrics import PhaseClock, flatten_scalars, mfu

@@ -101,7 +101,7 @@ def resume_and_train(ctx, config: Config, total_steps: int, root: str):
     """
     from fivefold.checkpoint import resume_latest
     from fivefold.layout import validate
-    from fivefold.parity import TrainTrace
+    from fivefold.tools.parity import TrainTrace
     from fivefold.train import build, train_step
 
     config = validate(config, ctx.world_size)

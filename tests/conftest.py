@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from fivefold.testing import PoolSet  # noqa: E402
+from fivefold.tools.testing import PoolSet  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -23,13 +23,13 @@ def pools():
 
 @functools.lru_cache(maxsize=None)
 def _reference_of_single(config, steps: int):
-    from fivefold.parity import run_reference
+    from fivefold.tools.parity import run_reference
 
     return run_reference(config, steps)
 
 
 def cached_reference(config, steps: int):
-    from fivefold.parity import reference_config
+    from fivefold.tools.parity import reference_config
 
     return _reference_of_single(reference_config(config), steps)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fivefold.config import Config
-from fivefold.parity import train_trace
+from fivefold.tools.parity import train_trace
 
 
 def trace_on_rank(ctx, config: Config, steps: int):
@@ -18,7 +18,7 @@ def trace_on_rank(ctx, config: Config, steps: int):
 
 def layout_parity(pools, reference, config: Config, steps: int = 3):
     """Train `config` on its layout in the pool and check it against the single-process run."""
-    from fivefold.parity import assert_parity
+    from fivefold.tools.parity import assert_parity
 
     world = config.layout.world_size
     results = pools.run(world, trace_on_rank, config, steps)
@@ -32,7 +32,7 @@ def traces_on_rank(ctx, configs: list[Config], steps: int):
 
 def many_layout_parity(pools, reference, configs: list[Config], steps: int = 2):
     """Check every config (all of one world size) against its single-process reference."""
-    from fivefold.parity import compare
+    from fivefold.tools.parity import compare
 
     world = configs[0].layout.world_size
     assert all(c.layout.world_size == world for c in configs)

@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "fivefold.volumes": PURE,
     "fivefold.flops": PURE,
     "fivefold.stages": PURE,
-    "fivefold.memory": PURE,
+    "fivefold.held_memory": PURE,
     "fivefold.textfiles": PURE,
     "fivefold.data": PURE,
     "fivefold.indexed": PURE,
@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     # A run's checkpoints (regions, state, format, reader, resume, convert): the run layer,
     # which the tools use; a strategy never imports it.
     "fivefold.checkpoint": TOOLS,
+    "fivefold.tools": TOOLS,  # parity, diagnosis, dry run, reports, benchmarks, HF folders, test harness
     "fivefold.cli": CLI,
 }
 

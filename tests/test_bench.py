@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.bench import headline_rows, per_round_ratio, suite_markdown
+from fivefold.tools.bench import headline_rows, per_round_ratio, suite_markdown
 
 
 def _case(seconds: list[float], rss: float) -> dict:

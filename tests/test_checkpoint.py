@@ -320,7 +320,7 @@ def test_checkpoint_of_another_model_is_refused(dense_run, tmp_path):
 
 def test_export_loads_in_transformers_with_same_logits_and_import_starts_a_run(dense_run, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from fivefold.generate import load_trained
+    from fivefold.tools.generate import load_trained
 
     from fivefold.cli import main
 
@@ -470,7 +470,7 @@ def skip_unless_strategies_exist(config) -> None:
 def run_on(pools, world: int, fn, *args):
     """Run a worker function on `world` ranks: in this process when world is 1."""
     if world == 1:
-        from fivefold.testing import WorkerContext
+        from fivefold.tools.testing import WorkerContext
 
         return [fn(WorkerContext(0, 1), *args)]
     return pools.run(world, fn, *args)
@@ -499,7 +499,7 @@ def save_then_resume(pools, saved, resumed, saved_steps: int, total_steps: int, 
 )
 def test_resume_under_another_layout_matches_the_reference(pools, reference, tmp_path, preset, saved_layout, resumed_layout):
     """Saved after 1 step under one layout, resumed for 1 more under another: parity with the straight run."""
-    from fivefold.parity import TrainTrace, assert_parity
+    from fivefold.tools.parity import TrainTrace, assert_parity
 
     saved, resumed = layout_config(preset, saved_layout), layout_config(preset, resumed_layout)
     skip_unless_strategies_exist(saved)

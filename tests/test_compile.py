@@ -16,7 +16,7 @@ import torch
 from fivefold.config import load_config
 from fivefold.layout import validate
 from fivefold.mesh import Mesh
-from fivefold.parity import assert_parity, train_trace
+from fivefold.tools.parity import assert_parity, train_trace
 from helpers import many_layout_parity, traces_on_rank
 from test_precision import BF16_LOSS_RTOL, BF16_PARAM_DISPLACEMENT_RTOL
 

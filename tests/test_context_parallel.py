@@ -228,7 +228,7 @@ def _data_parallel_optimizer():
 
 def _train_configs(ctx, configs, steps):
     """Train each config on this rank; rank 0 returns the traces, every rank its cp bytes."""
-    from fivefold.parity import train_trace
+    from fivefold.tools.parity import train_trace
 
     out = []
     with _data_parallel_optimizer():
@@ -272,7 +272,7 @@ HAS_TP = importlib.util.find_spec("fivefold.parallel.tensor_parallel") is not No
 
 
 def _check_parity_and_bytes(results, configs, reference, steps: int) -> None:
-    from fivefold.parity import assert_parity
+    from fivefold.tools.parity import assert_parity
 
     for i, config in enumerate(configs):
         trace = results[0][i][0]

@@ -12,7 +12,7 @@ from fivefold.config import Layout, load_config
 from fivefold.mesh import Mesh
 from fivefold.parallel.data_parallel import DataParallelAdamW, flat_adamw_, plan_buckets, trainable
 from fivefold.parallel.optim import AdamWSettings, adamw_update_, decays
-from fivefold.parity import PARAM_ATOL, PARAM_RTOL, TrainTrace, assert_parity
+from fivefold.tools.parity import PARAM_ATOL, PARAM_RTOL, TrainTrace, assert_parity
 
 STEPS = 2
 SETTINGS = AdamWSettings(0.9, 0.95, 1e-8, 0.1)
@@ -31,7 +31,7 @@ def tiny(**layout) -> object:
 @functools.lru_cache(maxsize=None)
 def _single_process(config, steps: int) -> TrainTrace:
     from fivefold.layout import validate
-    from fivefold.parity import train_trace
+    from fivefold.tools.parity import train_trace
 
     return train_trace(config, Mesh.single(validate(config).layout), steps)
 
@@ -81,7 +81,7 @@ def train_configs_on_rank(ctx, configs: list, steps: int, probe_finalizers: bool
 
 def _train_one(ctx, config, steps: int, probe_finalizers: bool = False) -> dict:
     from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.memory import held_memory
+    from fivefold.held_memory import held_memory
     from fivefold.train import build, train_step
 
     mesh = ctx.mesh(config.layout)

@@ -11,7 +11,7 @@ import torch
 from fivefold.config import load_config
 from fivefold.model.attention import document_causal_mask, positions_in_documents
 from fivefold.parallel.context_parallel import _ring_block, block_forward, block_forward_reference, local_positions
-from fivefold.parity import with_layout
+from fivefold.tools.parity import with_layout
 from helpers import many_layout_parity
 
 

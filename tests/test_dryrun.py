@@ -6,7 +6,7 @@ gradients and optimizer state within 1%, bytes per axis exactly (MoE layouts als
 their per-expert token counts before each dispatch, which the planner leaves out: checked
 exactly below). Activation bytes
 are within 5% of the planner's (see `_check_activations` for what differs); the dense case
-also checks them against the per-layer derivation (fivefold/activation_memory.py). Global batches are cut to a
+also checks them against the per-layer derivation (fivefold/tools/saved_activations.py). Global batches are cut to a
 few micro-batches per rank to keep the cases fast; the 405B case is the published one.
 """
 
@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from fivefold.activation_memory import activation_bytes_per_layer
+from fivefold.tools.saved_activations import activation_bytes_per_layer
 from fivefold.cli import config_from_args, main
-from fivefold.dryrun import DryRunError, dry_run
+from fivefold.tools.dryrun import DryRunError, dry_run
 
 
 def _dry_run(preset: str, layout: str, world: int, *overrides: str, ranks=None):

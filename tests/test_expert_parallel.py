@@ -22,7 +22,7 @@ from fivefold.layout import LayoutError, group_ranks, validate
 from fivefold.parallel import comm
 from fivefold.parallel.optim import ReplicatedAdamW
 from fivefold.parallel.sharding import get_placement
-from fivefold.parity import assert_parity, with_layout
+from fivefold.tools.parity import assert_parity, with_layout
 
 
 class PlacementReducingAdamW(ReplicatedAdamW):
@@ -82,7 +82,7 @@ def moe_config(*overrides: str, **layout):
 
 def _train_with_ep(ctx, configs, steps):
     """Train each config; return rank 0's traces and every rank's routing counts and ep bytes."""
-    import fivefold.parity as parity
+    import fivefold.tools.parity as parity
     from fivefold.parallel.expert_parallel import moe_dispatchers
 
     out = []

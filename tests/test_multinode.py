@@ -44,7 +44,7 @@ from fivefold.cluster import (
     tasks_on_node,
 )
 from fivefold.config import Layout, load_config
-from fivefold.parity import TrainTrace, assert_parity
+from fivefold.tools.parity import TrainTrace, assert_parity
 
 RDZV_PORT = 29400  # free in a fresh namespace
 JOB_TIMEOUT_S = 420  # bound for one job; jobs took up to ~200 s at a load average of 160 on 2 cores

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.config import load_config
-from fivefold.diagnose import first_divergence, probe, stream_module_names
+from fivefold.tools.diagnose import first_divergence, probe, stream_module_names
 from fivefold.layout import validate
 from fivefold.mesh import Mesh
-from fivefold.parity import reference_config
+from fivefold.tools.parity import reference_config
 
 
 def _drop_row_parallel_reduction(model) -> None:
@@ -54,14 +54,14 @@ def test_intact_layout_shows_no_divergence_and_broken_ones_are_localised(pools):
 
 
 def _check_layout_on_rank(ctx, config, steps, path):
-    from fivefold.parity_cli import check_layout
+    from fivefold.tools.parity_cli import check_layout
 
     resolved = validate(config, ctx.world_size)
     return check_layout(resolved, ctx.mesh(resolved.layout), steps, path)
 
 
 def test_parity_command_passes_an_intact_layout(pools, tmp_path, capsys):
-    from fivefold.parity_cli import reference_file
+    from fivefold.tools.parity_cli import reference_file
 
     config = validate(load_config("tiny", ["layout.dp=2", "layout.zero=1"]))
     path = tmp_path / "reference.pt"

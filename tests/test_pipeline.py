@@ -22,8 +22,8 @@ from fivefold.parallel.pipeline import (
 )
 from fivefold.layout import SCHEDULES
 from fivefold.parallel.schedules import build_schedule, simulate
-from fivefold.timeline import Event, bubble_formula, bubble_fraction, chrome_trace, draw_gantt
-from fivefold.parity import assert_parity
+from fivefold.tools.timeline import Event, bubble_formula, bubble_fraction, chrome_trace, draw_gantt
+from fivefold.tools.parity import assert_parity
 from helpers import layout_parity, trace_on_rank
 
 
@@ -185,7 +185,7 @@ def _single_process_with_same_microbatches(config, steps: int):
     """
     from fivefold.layout import Layout
     from fivefold.mesh import Mesh
-    from fivefold.parity import train_trace
+    from fivefold.tools.parity import train_trace
 
     single = validate(config.replace(layout=Layout(grad_accum=config.layout.grad_accum * config.layout.dp)))
     return train_trace(single, Mesh.single(single.layout), steps)
@@ -250,7 +250,7 @@ def _measure_step(ctx, config, out_dir):
     from pathlib import Path
 
     from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.timeline import trace_step
+    from fivefold.tools.timeline import trace_step
     from fivefold.train import build, evaluate, local_micro_batches
 
     config = validate(config, ctx.world_size)
@@ -265,7 +265,7 @@ def _measure_step(ctx, config, out_dir):
 
 
 def test_activation_memory_timeline_and_evaluation(pools, tmp_path):
-    from fivefold.parity import reference_config
+    from fivefold.tools.parity import reference_config
     from fivefold.train import build as build_single, evaluate as evaluate_single
     from fivefold.data import load_tokenizer, load_tokens
     from fivefold.mesh import Mesh

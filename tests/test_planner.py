@@ -7,7 +7,7 @@ import pytest
 from fivefold.planner import HARDWARE, LayoutSpec, ModelSpec, estimate
 from fivefold.planner.activations import activation_bytes_per_layer, saved_tensors_per_layer
 from fivefold.planner.flops import gpt_hardware_flops_full_recompute, gpt_model_flops
-from fivefold.planner.memory import StateBytes, zero_model_states
+from fivefold.planner.model_states import StateBytes, zero_model_states
 from fivefold.planner.models import MODELS
 from fivefold.planner.params import gpt_formula_params
 from fivefold.planner.pipeline import bubble_fraction, in_flight

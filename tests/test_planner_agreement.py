@@ -26,7 +26,7 @@ AXIS_NAMES = {"dp_cp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "ed
 
 def _measure_one_step(ctx, config):
     from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.memory import held_memory
+    from fivefold.held_memory import held_memory
     from fivefold.train import build, forward_backward, local_micro_batches
 
     config = validate(config, ctx.world_size)

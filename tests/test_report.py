@@ -19,7 +19,7 @@ import pytest
 
 from fivefold.config import load_config
 from fivefold.metrics import flatten_scalars
-from fivefold.report import load_run, write_report
+from fivefold.tools.report import load_run, write_report
 
 RUNS = {
     "pp2": ("tiny", ["layout.pp=2", "layout.grad_accum=2", "train.trace=true", "train.profile=1",

@@ -20,7 +20,7 @@ from fivefold.parallel.schedules import ActionKind, build_schedule, simulate
 from fivefold.planner import LayoutSpec, PlanError, estimate, estimate_run, load_model
 from fivefold.planner.bridge import layout_spec, model_spec
 from fivefold.planner.pipeline import bubble_fraction, in_flight, in_flight_embedding, stage_layers
-from fivefold.timeline import bubble_formula
+from fivefold.tools.timeline import bubble_formula
 
 # (preset, overrides): uneven cost-balanced cuts, interleaved chunks, explicit pp_layers, MoE
 SPLIT_CASES = [

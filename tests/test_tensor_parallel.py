@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 
-from fivefold.activation_memory import activation_bytes_per_layer, measure_saved_bytes
+from fivefold.tools.saved_activations import activation_bytes_per_layer, measure_saved_bytes
 from fivefold.config import Layout, load_config
 from fivefold.layout import LayoutError, validate
 from fivefold.mesh import Axis, CommStats, Mesh
@@ -123,7 +123,7 @@ def test_repeated_kv_heads_count_once():
 
 
 def _trace_with_tp_wire(ctx, config, steps: int):
-    from fivefold.parity import train_trace
+    from fivefold.tools.parity import train_trace
 
     resolved = validate(config, ctx.world_size)
     mesh = ctx.mesh(resolved.layout)
@@ -133,7 +133,7 @@ def _trace_with_tp_wire(ctx, config, steps: int):
 
 
 def _check(pools, reference, config, world: int) -> None:
-    from fivefold.parity import assert_parity
+    from fivefold.tools.parity import assert_parity
 
     results = pools.run(world, _trace_with_tp_wire, config, STEPS)
     assert_parity(reference(config, STEPS), results[0][0])
@@ -160,7 +160,7 @@ def test_parity_and_exact_tp_traffic(pools, reference, case):
 
 def _plain_and_overlapped(ctx, config, steps: int):
     """Train `config` with layout.tp_overlap off and on; the traces of both (rank 0) and the tp bytes."""
-    from fivefold.parity import train_trace, with_layout
+    from fivefold.tools.parity import train_trace, with_layout
 
     out = []
     for overlap in (False, True):
@@ -185,7 +185,7 @@ def test_overlapped_tp_backward_is_bitwise_the_plain_one(pools, reference, case)
     all-reduce / reduce-scatter travels: the same operations in another order, so losses, grad
     norms and every parameter equal those without overlap bitwise, and the single process's
     within the parity tolerances; tp moves the same bytes."""
-    from fivefold.parity import assert_parity
+    from fivefold.tools.parity import assert_parity
 
     world, preset, overrides = OVERLAP_CASES[case]
     config = _config(preset, *overrides)
@@ -206,7 +206,7 @@ DP_REASON = "fivefold.parallel.data_parallel is not importable yet (data paralle
     (8, "tiny-moe", ("layout.dp=2", "layout.tp=4", "layout.zero=3", "layout.sequence_parallel=true")),
 ])
 def test_parity_with_data_parallel_and_zero(pools, reference, world, preset, overrides):
-    from fivefold.parity import assert_parity
+    from fivefold.tools.parity import assert_parity
 
     from helpers import trace_on_rank
 
@@ -292,7 +292,7 @@ def test_activation_memory_measured_equals_derived(pools):
     def kv_width(t: int) -> int:  # key/value heads a rank holds (one, repeated, when t > kv heads)
         return max(config.model.n_kv_heads // t, 1) * config.model.head_dim
 
-    for t in (1, 2, 4):  # the closed forms of fivefold.activation_memory
+    for t in (1, 2, 4):  # the closed forms of fivefold.tools.saved_activations
         tp = Layout(tp=t, dp=4 // t)
         expected = 4 * b * s * (h * 6 + (2 * h + 4 * f) // t + 2 * kv_width(t) + 2 + a // t)
         assert activation_bytes_per_layer(config.model, tp, b, s) == expected

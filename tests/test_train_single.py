@@ -15,7 +15,7 @@ from fivefold.mesh import Mesh
 from fivefold.model import Transformer, build_model
 from fivefold.parallel.sharding import materialize
 from fivefold.parallelize import ParallelModel
-from fivefold.parity import assert_parity, run_reference, train_trace, with_layout
+from fivefold.tools.parity import assert_parity, run_reference, train_trace, with_layout
 from fivefold.train import build, forward_backward, local_micro_batches
 
 SEED = 1234

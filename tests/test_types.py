@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from fivefold.memory import HoldsTensors
+from fivefold.held_memory import HoldsTensors
 from fivefold.parallel.data_parallel import BucketAllReduce, DataParallelAdamW, FlatSynchroniser
 from fivefold.parallel.optim import LocalGradients, ReplicatedAdamW
 from fivefold.parallel.protocols import CheckpointState, GradientSynchroniser, TrainingOptimizer
@@ -30,11 +30,11 @@ CHECKED = [
     "fivefold/parallel/schedules.py",  # the schedule tables and their simulator
     "fivefold/parallel/comm.py",  # every collective
     "fivefold/checkpoint",  # calls CheckpointState directly
-    "fivefold/timeline.py",  # reads the pipeline runner
+    "fivefold/tools/timeline.py",  # reads the pipeline runner
     "fivefold/parallelize.py",  # builds the optimizer, registers the finalizers, ParallelModel
     "fivefold/train.py",  # the loop
-    "fivefold/memory.py",  # held_tensors / padding_bytes
-    "fivefold/diagnose.py",  # gathers gradients after finish_grad_sync
+    "fivefold/held_memory.py",  # held_tensors / padding_bytes
+    "fivefold/tools/diagnose.py",  # gathers gradients after finish_grad_sync
     "tests/test_types.py",  # the conformance assignments below
 ]
 

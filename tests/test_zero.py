@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fivefold.memory import zero_formula_bytes
+from fivefold.held_memory import zero_formula_bytes
 from fivefold.volumes import dp_comm_bytes_per_step
 from test_data_parallel import STEPS, check_parity_and_norms, run_matrix, tiny, train_configs_on_rank
 

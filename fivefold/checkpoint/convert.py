@@ -112,7 +112,7 @@ def check_export_target(out: Path) -> None:
 
 def export_hf(path: Path, out: Path, step: int | None = None) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors) from a run or checkpoint."""
-    from ..hf import write_hf_folder
+    from ..tools.hf import write_hf_folder
 
     check_export_target(out)
     model_config, state = full_state_of_run(path, step)
@@ -145,7 +145,7 @@ def import_hf(hf_dir: Path, run_dir: Path, base: str = "tiny") -> Path:
     with a fresh optimizer. The training settings come from the preset `base`.
     """
     from ..config import load_config
-    from ..hf import read_hf_folder
+    from ..tools.hf import read_hf_folder
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     root = checkpoint_root(run_dir)

@@ -376,7 +376,7 @@ class PipelineRunner:
         )
         self.params_reversed = [params[::-1] for params in self.params]  # W accumulates as backward would
         self.deferrals = [WeightGradDeferral(chunk) for chunk in self.chunks] if self.split_weight_grads else []
-        self.timeline: Any = None  # a fivefold.timeline.Timeline (a tool, above this layer) to record the next steps
+        self.timeline: Any = None  # a fivefold.tools.timeline.Timeline (a tool, above this layer) to record the next steps
         self.measure_memory = False
         self.memory = StepMemory(0, 0)
         mark_tied_copies(self.chunks, config.model)  # parallelize() registers tied_gradient_finalizer

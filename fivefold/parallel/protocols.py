@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..memory import HoldsTensors
+from ..held_memory import HoldsTensors
 from .sharding import Placement, ShardSpec
 
 GradFinalizer = Callable[[], None]  # completes local gradients (sums over tp, tied embeddings over pp)

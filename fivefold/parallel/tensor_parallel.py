@@ -48,7 +48,7 @@ Design choices:
 - Under sequence parallel the column-parallel layers keep the gathered input for backward
   (as DTensor's plans do) instead of gathering it again in backward (Megatron): the backward
   pass then has no extra all-gather, at the cost of 2*b*s*h saved elements per layer that
-  are not divided by tp (see `fivefold.activation_memory`).
+  are not divided by tp (see `fivefold.tools.saved_activations`).
 """
 
 from __future__ import annotations

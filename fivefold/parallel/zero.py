@@ -235,7 +235,7 @@ class ZeroGradientSync:
             self.gatherer.free_all()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The parameter and gradient storage this rank holds (fivefold.memory)."""
+        """The parameter and gradient storage this rank holds (fivefold.held_memory)."""
         params = [flat_params(b) for b in self.buckets] + self.param_shards
         grads = [g for g in self.grad_shards if g is not None]
         if self.stage == 1:

@@ -19,7 +19,7 @@ sbh(34/t + 5as/(ht)); selective recomputation drops the 5as^2b attention-core te
 (34sbh/t with SP); full recomputation keeps only the layer input, 2sbh (2sbh/t with SP).
 
 Llama layer: exactly what fivefold's runtime layer saves (model/llama.py, attention.py,
-moe.py), so that one list serves the planner and the runtime (fivefold.activation_memory
+moe.py), so that one list serves the planner and the runtime (fivefold.tools.saved_activations
 sums it; tests measure it with saved-tensor hooks). Per token, fp32::
 
     attn_norm: input, rstd (1), x * rstd (h each)     -- RMSNorm's weight gradient needs x * rstd

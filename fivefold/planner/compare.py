@@ -23,7 +23,7 @@ from rich.table import Table
 from .errors import PlanError
 from .estimate import Estimate, estimate
 from .hardware import GiB, Hardware, get_hardware
-from .memory import state_bytes, zero_model_states
+from .model_states import state_bytes, zero_model_states
 from .spec import LayoutSpec, ModelSpec, divisors
 
 GB = 1e9  # the ZeRO paper states memory in decimal gigabytes
@@ -87,7 +87,7 @@ def default_pipeline_layout(model: ModelSpec, gpus: int, hw: Hardware, global_ba
 
 def schedule_rows(model: ModelSpec, base: LayoutSpec, hw: Hardware, precision: str) -> list[dict[str, Any]]:
     """Bubble, activation and total memory, step time of each schedule on `base`'s degrees."""
-    from ..timeline import bubble_fraction, ideal_rows
+    from ..tools.timeline import bubble_fraction, ideal_rows
 
     rows = []
     for schedule, vpp in SCHEDULE_VARIANTS:
@@ -129,7 +129,7 @@ def draw_schedules(pp: int, num_microbatches: int, path: str | Path) -> tuple[Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..timeline import bubble_fraction, draw_rows, ideal_rows
+    from ..tools.timeline import bubble_fraction, draw_rows, ideal_rows
 
     m = min(num_microbatches, GANTT_MAX_MICROBATCHES_PER_STAGE * pp)
     panels = []

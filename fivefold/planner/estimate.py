@@ -41,7 +41,7 @@ from .comm import (
 )
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
 from .hardware import Hardware, get_hardware
-from .memory import StateBytes, state_bytes, zero_model_states
+from .model_states import StateBytes, state_bytes, zero_model_states
 from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params
 from .pipeline import bubble_units, in_flight, in_flight_embedding, in_flight_output, stage_layers
 from .spec import LayoutSpec, ModelSpec

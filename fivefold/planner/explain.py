@@ -14,7 +14,7 @@ from __future__ import annotations
 from .errors import PlanError
 from .estimate import Estimate, estimate, memory_grid
 from .hardware import GiB
-from .memory import state_bytes
+from .model_states import state_bytes
 from .spec import LayoutSpec, ModelSpec
 
 _RECOMPUTE = ("none", "selective", "full")

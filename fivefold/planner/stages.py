@@ -1,7 +1,7 @@
 """Every pipeline stage's memory and traffic, on demand.
 
 `estimate` reports the stage that needs the most memory and, per axis, the busiest stage;
-a dry run of one rank (fivefold/dryrun.py) compares that rank with its own stage instead.
+a dry run of one rank (fivefold/tools/dryrun.py) compares that rank with its own stage instead.
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import Config, Layout
-from .loader import open_training_data
-from .layout import validate
-from .mesh import Mesh
-from .train import build, train_step
+from ..config import Config, Layout
+from ..loader import open_training_data
+from ..layout import validate
+from ..mesh import Mesh
+from ..train import build, train_step
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-5

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import RUNTIME_BUFFERS, read_final_weights
-from .config import Config
-from .data import load_tokenizer
-from .model import Transformer
+from ..checkpoint import RUNTIME_BUFFERS, read_final_weights
+from ..config import Config
+from ..data import load_tokenizer
+from ..model import Transformer
 
 
 class RunDirError(ValueError):

@@ -19,11 +19,11 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from .config import Config
-from .mesh import Mesh
-from .parallel import comm
-from .parallel.sharding import full_shapes, gather_full_state
-from .parallelize import ParallelModel
+from ..config import Config
+from ..mesh import Mesh
+from ..parallel import comm
+from ..parallel.sharding import full_shapes, gather_full_state
+from ..parallelize import ParallelModel
 
 # A value differs when its largest error exceeds this fraction of the reference's largest
 # magnitude: rounding from another summation order stays near 1e-6; a missing or doubled
@@ -154,7 +154,7 @@ def probe_first_step(model: ParallelModel, sampler) -> tuple[dict[str, torch.Ten
 
     Leaves the model's gradients reduced but not applied; the caller discards the model.
     """
-    from .train import forward_backward, local_micro_batches
+    from ..train import forward_backward, local_micro_batches
 
     names = stream_module_names(model.config)
     batches = local_micro_batches(model, sampler, 0)
@@ -175,9 +175,9 @@ def probe(
     `after_build` may modify the parallel model before it runs (tests use it to break a
     collective on purpose and check that the divergence is found where it was made).
     """
-    from .layout import validate
-    from .loader import open_training_data
-    from .train import build
+    from ..layout import validate
+    from ..loader import open_training_data
+    from ..train import build
 
     config = validate(config, mesh.world_size)
     _, sampler = open_training_data(config)

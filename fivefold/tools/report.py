@@ -569,7 +569,7 @@ def _prediction_lines(run: RunData) -> list[str]:
     """The planner's summary for this run and the drift warnings the run printed (recomputed)."""
     if not run.prediction:
         return []
-    from .prediction import DRIFT_CHECK_STEP, drift_warnings, summary
+    from ..prediction import DRIFT_CHECK_STEP, drift_warnings, summary
 
     margin = run.prediction.get("drift_margin", 0.25)
     try:

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from .stages import bubble_share
+from ..stages import bubble_share
 
 if TYPE_CHECKING:
-    from .parallelize import ParallelModel
+    from ..parallelize import ParallelModel
 
 # Event kinds; compute kinds are what counts as busy. The codes travel in a float tensor.
 KINDS = ("F", "B", "I", "W", "comm")
@@ -111,7 +111,7 @@ def from_tensor(packed: torch.Tensor) -> list[Event]:
 
 def gather_rows(timeline: Timeline, axis) -> list[list[Event]]:
     """Every rank of `axis` (a mesh Axis) gets every rank's events, in axis order."""
-    from .parallel import comm
+    from ..parallel import comm
 
     count = torch.tensor([float(len(timeline.events))], dtype=torch.float64)
     comm.all_reduce(count, axis, op="max")
@@ -171,7 +171,7 @@ def ideal_rows(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
     (zero-bubble) spends half of `backward` on the input gradient and half on the weight
     gradient, as `simulate` does.
     """
-    from .parallel.schedules import build_schedule, simulate
+    from ..parallel.schedules import build_schedule, simulate
 
     table = build_schedule(schedule, pp, num_microbatches, vpp)
     result = simulate(table, pp, forward / vpp, backward / vpp)

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .config import Layout, ModelConfig
-from .planner.activations import SavedTensor
-from .planner.activations import saved_tensors_per_layer as planner_saved_tensors  # the one list
-from .planner.bridge import layout_spec, model_spec
+from ..config import Layout, ModelConfig
+from ..planner.activations import SavedTensor
+from ..planner.activations import saved_tensors_per_layer as planner_saved_tensors  # the one list
+from ..planner.bridge import layout_spec, model_spec
 
 
 def saved_tensors_per_layer(model: ModelConfig, layout: Layout, micro_batch: int, seq_len: int,

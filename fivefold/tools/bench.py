@@ -189,7 +189,7 @@ SUITE = (
 
 
 def benchmarks_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "benchmarks"
+    return Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def suite_command(entry: SuiteEntry, out: Path, with_deepspeed: bool) -> list[str]:

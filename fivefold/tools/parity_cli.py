@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .config import Config
-from .launch import Job, run_job
-from .layout import config_from_args, validate
-from .mesh import Mesh
+from ..config import Config
+from ..launch import Job, run_job
+from ..layout import config_from_args, validate
+from ..mesh import Mesh
 from .parity import compare, reference_config, train_trace
 
 
@@ -64,7 +64,7 @@ def check_layout(config: Config, mesh: Mesh, steps: int, ref_path: Path) -> int:
     report = compare(reference, trace) if mesh.rank == 0 else None
     diverged = torch.tensor([0 if report is None or report.ok else 1])
     if mesh.world.size > 1:
-        from .parallel import comm
+        from ..parallel import comm
 
         comm.all_reduce(diverged, mesh.world)
     if mesh.rank == 0:
@@ -92,7 +92,7 @@ def run_parity_cli(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"training layout {args.layout} on {world} processes ...")
         job = Job(
             world_size=world,
-            command=("-m", "fivefold.parity_cli", str(ref_path), str(args.steps), args.config, args.layout, *overrides),
+            command=("-m", "fivefold.tools.parity_cli", str(ref_path), str(args.steps), args.config, args.layout, *overrides),
             max_restarts=config.train.max_restarts,
             collective_timeout_s=config.train.collective_timeout_s,
             stop_grace_s=config.train.stop_grace_s,
@@ -103,7 +103,7 @@ def run_parity_cli(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _worker_main(argv: list[str]) -> int:
     """Entry point of each torchrun rank: reference path, steps, config, layout, overrides."""
-    from .run import distributed_job
+    from ..run import distributed_job
 
     ref_path, steps, config_name, layout, *overrides = argv
     config = validate(config_from_args(config_name, layout, overrides), int(os.environ["WORLD_SIZE"]))

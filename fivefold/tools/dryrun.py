@@ -40,14 +40,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .config import Config
-from .data import Sampler
-from .layout import LayoutError, rank_to_coords, validate
-from .memory import HeldMemory, held_memory
-from .planner import HARDWARE, Hardware
-from .planner.bridge import layout_spec
-from .planner.bridge import model_spec
-from .planner.stages import StagePlan, stage_plans
+from ..config import Config
+from ..data import Sampler
+from ..layout import LayoutError, rank_to_coords, validate
+from ..held_memory import HeldMemory, held_memory
+from ..planner import HARDWARE, Hardware
+from ..planner.bridge import layout_spec
+from ..planner.bridge import model_spec
+from ..planner.stages import StagePlan, stage_plans
 
 # comm.py's axes as the planner names them ("world" carries loss reporting and the global
 # gradient norm, which the planner leaves out; pp_ends carries the tied-embedding gradient,
@@ -343,8 +343,8 @@ def _measure_after_step(model, held: list[HeldMemory], wire: list[dict]) -> None
 
 def run_rank(config: Config, rank: int) -> RankResult:
     """Build `rank` of `config`'s (validated) layout on the meta device and run one training step."""
-    from .mesh import Mesh
-    from .train import build, train_step
+    from ..mesh import Mesh
+    from ..train import build, train_step
 
     with fake_world(config.layout.world_size, rank):
         start = time.perf_counter()

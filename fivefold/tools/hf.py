@@ -36,8 +36,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .config import ModelConfig
-from .model.moe import EXPERT_BIAS
+from ..config import ModelConfig
+from ..model.moe import EXPERT_BIAS
 
 SUPPORTED_TYPES = ("llama", "mixtral")
 
