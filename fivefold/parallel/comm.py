@@ -310,56 +310,41 @@ def _own_shard(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
     return x.chunk(axis.size, dim=dim)[axis.rank].contiguous()
 
 
-class _SplitToAxis(torch.autograd.Function):
-    """Forward: keep this rank's shard along dim. Backward: all-gather the gradient."""
+def _conjugate_pair(name: str, doc: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function over (x, axis, dim) that runs `forward(x, axis, dim)` and whose
+    backward runs `backward(grad, axis, dim)`: the four pairs below differ only in these."""
 
-    @staticmethod
-    def forward(ctx, x, axis, dim):
+    def run_forward(ctx, x, axis, dim):
         ctx.axis, ctx.dim = axis, dim
-        return _own_shard(x, axis, dim)
+        return forward(x, axis, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.axis, dim=ctx.dim), None, None
+    def run_backward(ctx, grad):
+        return backward(grad, ctx.axis, ctx.dim), None, None
 
-
-class _GatherFromAxis(torch.autograd.Function):
-    """Forward: all-gather along dim. Backward: keep this rank's shard of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return all_gather(x, axis, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_shard(grad, ctx.axis, ctx.dim), None, None
+    body = {"__doc__": doc, "forward": staticmethod(run_forward), "backward": staticmethod(run_backward)}
+    return type(name, (torch.autograd.Function,), body)
 
 
-class _AllGatherReduceScatter(torch.autograd.Function):
-    """Forward: all-gather along dim. Backward: reduce-scatter (sequence parallel's entry)."""
-
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return all_gather(x, axis, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.axis, dim=ctx.dim), None, None
+def _gather(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    return all_gather(x, axis, dim=dim)
 
 
-class _ReduceScatterAllGather(torch.autograd.Function):
-    """Forward: reduce-scatter along dim. Backward: all-gather (sequence parallel's exit)."""
+def _scatter(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
+    return reduce_scatter(x, axis, dim=dim)
 
-    @staticmethod
-    def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return reduce_scatter(x, axis, dim=dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.axis, dim=ctx.dim), None, None
+_SplitToAxis = _conjugate_pair(
+    "_SplitToAxis", "Forward: keep this rank's shard along dim. Backward: all-gather the gradient.",
+    _own_shard, _gather)
+_GatherFromAxis = _conjugate_pair(
+    "_GatherFromAxis", "Forward: all-gather along dim. Backward: keep this rank's shard of the gradient.",
+    _gather, _own_shard)
+_AllGatherReduceScatter = _conjugate_pair(
+    "_AllGatherReduceScatter", "Forward: all-gather along dim. Backward: reduce-scatter (sequence parallel's entry).",
+    _gather, _scatter)
+_ReduceScatterAllGather = _conjugate_pair(
+    "_ReduceScatterAllGather", "Forward: reduce-scatter along dim. Backward: all-gather (sequence parallel's exit).",
+    _scatter, _gather)
 
 
 class _AllToAll(torch.autograd.Function):
