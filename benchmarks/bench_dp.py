@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fivefold import bench  # noqa: E402
+from fivefold.tools import bench  # noqa: E402
 from fivefold.config import Config, load_config  # noqa: E402
 from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
 from fivefold.layout import validate  # noqa: E402

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fivefold import bench
+from fivefold.tools import bench
 from fivefold.tools.saved_activations import measure_saved_bytes
 from fivefold.config import load_config
 from fivefold.data import Sampler, load_tokenizer, load_tokens
