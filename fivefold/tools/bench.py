@@ -179,7 +179,7 @@ class SuiteEntry:
 
 DEEPSPEED_DP_CASES = "deepspeed-zero1,deepspeed-zero2,deepspeed-zero3"
 SUITE = (
-    SuiteEntry("single", 1, ("--rounds", "5", "--steps", "1", "--threads", "1")),
+    SuiteEntry("single", 1, ("--rounds", "5", "--steps", "1", "--threads", "1", "--compile")),
     SuiteEntry("dp", 2, ("--rounds", "3"), "--json", ("--skip", DEEPSPEED_DP_CASES)),
     SuiteEntry("tp", 2, ("--rounds", "3")),
     SuiteEntry("pp", 2, ("--rounds", "3", "--micro-batches", "8"), "--json"),
@@ -231,7 +231,7 @@ def run_suite(out_dir: Path, only: list[str]) -> dict[str, list[dict] | str]:
 # held against (ZeRO against plain data parallel, zero-bubble against 1F1B).
 HEADLINE = (
     ("single", "fivefold", "transformers", "single process vs transformers LlamaForCausalLM"),
-    ("single", "fivefold compiled", "transformers", "single process, train.compile=true, vs transformers eager"),
+    ("single", "fivefold+compile", "transformers", "single process, train.compile=true, vs transformers eager"),
     ("dp", "fivefold-dp", "torch-ddp", "dp=2 vs torch DDP"),
     ("dp", "fivefold-zero1", "torch-zero1", "ZeRO-1 vs torch ZeroRedundancyOptimizer + DDP"),
     ("dp", "fivefold-zero1", "deepspeed-zero1", "ZeRO-1 vs DeepSpeed ZeRO-1"),
