@@ -109,6 +109,8 @@ def test_drift_warnings_name_what_is_off_by_more_than_the_margin():
     assert "more than 25%" in warnings[0]
     assert len(drift_warnings(prediction, records, margin=0.1)) == 2  # 1.15 s median is now off too
     assert drift_warnings({"error": "no layout"}, records, 0.25) == []
+    uncalibrated = {**prediction, "step_time_s": 0.1, "step_time_calibrated": False}  # 11x off: not held against it
+    assert len(drift_warnings(uncalibrated, records, margin=0.1)) == 1  # the tp bytes still are
 
 
 def test_an_uncalibrated_cpu_is_planned_with_rates_measured_at_start(tmp_path, monkeypatch):
