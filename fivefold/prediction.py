@@ -43,6 +43,10 @@ def planner_axis_bytes(wire: dict[str, int]) -> dict[str, int]:
     return out
 
 
+# The planner's hardware name for a CPU never calibrated, planned with rates measured at start.
+CPU_MEASURED_AT_START = "cpu (matmul and copy rates measured at start; `fivefold plan --calibrate` measures the rest)"
+
+
 def hardware_for(device: torch.device) -> str:
     """The planner's hardware name for the device a run uses: "cpu", or the CUDA preset of the
     same family (A100, H100, ...) whose memory is closest to the device's. An unknown GPU is
@@ -77,8 +81,7 @@ def planner_hardware(device: torch.device, dtype: str) -> Any:
     if calibrated is not None:
         return calibrated
     rate = measure_matmul_flops("bfloat16" if dtype == "bf16" else "float32", size=512, seconds=0.2)
-    return dataclasses.replace(CPU_DEFAULT, name="cpu (matmul and copy rates measured at start; "
-                               "`fivefold plan --calibrate` measures the rest)",
+    return dataclasses.replace(CPU_DEFAULT, name=CPU_MEASURED_AT_START,
                                peak_flops=rate, peak_flops_fp32=rate, hbm_bw=measure_copy_bandwidth(16, 0.2))
 
 
@@ -106,7 +109,7 @@ def predict_run(config: Config, device: torch.device) -> dict[str, Any]:
         "hardware": e.hardware.name,
         # False on a CPU that `fivefold plan --calibrate` never measured: the step time then
         # rests on two rates measured at start and defaults, and is not held against the run.
-        "step_time_calibrated": not e.hardware.name.startswith("cpu ("),
+        "step_time_calibrated": e.hardware.name != CPU_MEASURED_AT_START,
         "precision": e.precision,
         "step_time_s": e.step_time_s,
         "tokens_per_s": e.tokens_per_s,
