@@ -4,10 +4,20 @@ Run on CPU with gloo (2 ranks, ep = 2):
   DS_ACCELERATOR=cpu PYTHONPATH=$PWD OMP_NUM_THREADS=1 python3 -m torch.distributed.run \
       --standalone --nproc-per-node 2 benchmarks/bench_ep.py
 
-Every case is one forward + backward of one MoE layer (same experts: 8 SwiGLU experts, top-2,
-capacity factor 1.25, same input) with its experts sharded over the two ranks, alternated in
-one run. Memory is the bytes autograd saves for backward in one forward (activations).
-DeepSpeed's capacity is per micro-batch, fivefold's per sequence: both drop tokens.
+Every case is one forward + backward of one MoE layer (8 SwiGLU experts, top-2, capacity
+factor 1.25) with its experts sharded over the two ranks, alternated in one run. Memory is the
+bytes autograd saves for backward in one forward (activations).
+
+The layers compute the same function, checked before timing (`check_same_function`): DeepSpeed
+gets fivefold's router and expert weights, routes top-2 without its random second-expert
+sampling, and the input is one sequence per rank (--batch 1), where DeepSpeed's per-micro-batch
+capacity and fivefold's per-sequence capacity are the same rule (ceil(1.25 * 512 * 2 / 8) = 160
+slots per expert, first choices before second choices, earlier tokens first). Both keep the same
+slots and give the same output for every token with no dropped slot (DeepSpeed renormalises the
+gate weights over the kept slots, fivefold over the top-k; that is one division either way).
+The one difference in work is the point of each design: DeepSpeed pads every expert to its
+capacity (1280 rows per rank through the experts and the all-to-all), fivefold sends and
+computes the kept rows only, after exchanging the counts.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from fivefold.parallel.expert_parallel import ExpertParallelDispatcher
 
 
 def fivefold_layer(args, mesh: Mesh, kernel: str) -> MoE:
+    """fivefold's MoE with this rank's block of experts, random weights (seeded by the caller)."""
     moe = MoE(args.hidden, args.experts, args.top_k, args.ffn, dropless=False, capacity_factor=args.capacity)
     local = args.experts // mesh.ep.size
     with torch.no_grad():
@@ -40,16 +51,41 @@ def fivefold_layer(args, mesh: Mesh, kernel: str) -> MoE:
     return moe
 
 
-def deepspeed_layer(args) -> nn.Module:
+def deepspeed_layer(args, weights_from: MoE) -> nn.Module:
+    """DeepSpeed's MoE holding the same router and local expert weights as `weights_from`."""
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     moe = DeepSpeedMoE(
         hidden_size=args.hidden, expert=SwiGLU(args.hidden, args.ffn), num_experts=args.experts, ep_size=args.ep,
         k=args.top_k, capacity_factor=args.capacity, eval_capacity_factor=args.capacity, min_capacity=0,
-        drop_tokens=True, use_rts=False,
+        drop_tokens=True, use_rts=False, top2_2nd_expert_sampling=False,  # fivefold's top-k, no noise
     )
     moe.set_deepspeed_parallelism()
+    inner = moe.deepspeed_moe
+    with torch.no_grad():
+        inner.gate.wg.weight.copy_(weights_from.router.gate.weight)
+        for e, expert in enumerate(inner.experts.deepspeed_experts):
+            for name in ("gate", "up", "down"):
+                getattr(expert, name).weight.copy_(getattr(weights_from.experts, name)[e])
     return moe
+
+
+def check_same_function(deepspeed_moe: nn.Module, moe: MoE, x: torch.Tensor) -> None:
+    """Raise unless both layers keep the same token-slots and agree on every token none of
+    whose slots was dropped (see the module docstring for why those are the ones compared)."""
+    flat = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        ids = moe.router(x)[2]  # (B, T, k)
+        keep = moe._keep_mask(ids, x.shape[1]).reshape(flat.shape[0], -1)  # (S, k)
+        ours_kept = torch.zeros(flat.shape[0], moe.num_experts, dtype=torch.bool)
+        ours_kept.scatter_(1, ids.reshape(flat.shape[0], -1), keep)
+        dispatch_mask = deepspeed_moe.deepspeed_moe.gate(flat)[2]  # (S, E, C)
+        theirs_kept = dispatch_mask.any(dim=-1)
+        ours, theirs = moe(x)[0].reshape_as(flat), deepspeed_moe(x)[0].reshape_as(flat)
+    if not torch.equal(ours_kept, theirs_kept):
+        raise RuntimeError(f"DeepSpeed and fivefold keep different slots ({(ours_kept != theirs_kept).sum()} differ)")
+    whole = keep.all(dim=1)
+    torch.testing.assert_close(ours[whole], theirs[whole], rtol=1e-5, atol=1e-6)
 
 
 def saved_bytes(step) -> int:
@@ -88,8 +124,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--capacity", type=float, default=1.25)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank (1: the same capacity rule as DeepSpeed)")
+    parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", default="runs/bench/ep.json")
     parser.add_argument("--no-deepspeed", action="store_true", help="compare the expert kernels only")
@@ -106,9 +142,14 @@ def main() -> None:
     mesh = Mesh.build(Layout(dp=args.ep, ep=args.ep))
     torch.manual_seed(100 + dist.get_rank())
     x = torch.randn(args.batch, args.seq, args.hidden)
-    layers = {} if args.no_deepspeed else {"deepspeed": (deepspeed_layer(args), True)}
+    grouped = fivefold_layer(args, mesh, "grouped")
+    layers = {}
+    if not args.no_deepspeed:
+        layers["deepspeed"] = (deepspeed_layer(args, grouped), True)
+        if args.batch == 1:
+            check_same_function(layers["deepspeed"][0], grouped, x)
     layers |= {
-        "fivefold-grouped": (fivefold_layer(args, mesh, "grouped"), False),
+        "fivefold-grouped": (grouped, False),
         "fivefold-loop": (fivefold_layer(args, mesh, "loop"), False),
         "fivefold-padded": (fivefold_layer(args, mesh, "padded"), False),
     }
