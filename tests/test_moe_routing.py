@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.model.moe import Experts
+from fivefold.model.moe import Experts, combine_slots
 from fivefold.parallel.expert_parallel import (
     dispatch_order,
-    inverse_permutation,
     rank_splits,
     regroup_by_local_expert,
     unpermute,
@@ -63,12 +62,12 @@ def test_simulated_all_to_all_round_trip():
             grouped = received[order]
             expert_of_row = torch.repeat_interleave(torch.arange(local), torch.tensor(per_expert))
             computed = grouped * 10.0 + (dst * local + expert_of_row)[:, None]  # 'expert e' adds e
-            back = computed[inverse_permutation(order)].split(recv_counts.sum(dim=1).tolist())
+            back = unpermute(computed, order).split(recv_counts.sum(dim=1).tolist())
             for src in range(ep):
                 results_back[src][dst] = back[src]
         for r in range(ep):
             order = plans[r][0]
-            slots = unpermute(torch.cat(results_back[r]), order, N[r] * k)
+            slots = torch.zeros(N[r] * k, 4).index_copy(0, order, torch.cat(results_back[r]))
             ids, keep = routing[r]
             token_of_slot = torch.arange(N[r] * k) // k
             expected = (tokens[r][token_of_slot] * 10.0 + ids[:, None].float()) * keep[:, None]
@@ -85,13 +84,12 @@ def test_regroup_is_stable_per_expert():
     assert order.tolist() == [0, 3, 4, 1, 2] and per_expert == [3, 2]
 
 
-def test_inverse_permutation():
+def test_unpermute_undoes_a_gather():
     gen = torch.Generator().manual_seed(2)
     for n in (0, 1, 7, 30):
         perm = torch.randperm(n, generator=gen)
-        inv = inverse_permutation(perm)
-        values = torch.randn(n, generator=gen)
-        assert torch.equal(values[perm][inv], values)
+        values = torch.randn(n, 3, generator=gen)
+        assert torch.equal(unpermute(values[perm], perm), values)
 
 
 def test_analytic_all_to_all_bytes():
@@ -115,3 +113,25 @@ def test_expert_kernels_agree():
         outputs[kernel] = experts(x, counts)
     assert torch.equal(outputs["grouped"], outputs["loop"])  # same per-group GEMMs
     torch.testing.assert_close(outputs["padded"], outputs["loop"], rtol=1e-6, atol=1e-6)
+
+
+def test_combine_slots_weights_and_sums_the_kept_slots():
+    """Against the dense formula: scatter the kept rows into all N*k slots (zeros where dropped),
+    weight every slot, sum over the k choices. With k <= 2 the two agree bit for bit (a sum of
+    two terms does not depend on their order); with more choices to rounding."""
+    gen = torch.Generator().manual_seed(5)
+    for k in (1, 2, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            N, E, h = 23, 6, 8
+            ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])  # distinct per token
+            keep = torch.rand(N, k, generator=gen) < 0.7
+            weights = torch.rand(N, k, generator=gen)
+            order = dispatch_order(ids.reshape(-1), keep.reshape(-1), E)[0]
+            rows = torch.randn(order.numel(), h, generator=gen).to(dtype)
+            slots = torch.zeros(N * k, h, dtype=dtype).index_copy(0, order, rows).view(N, k, h)
+            dense = (slots * (weights * keep).to(dtype)[..., None]).sum(dim=1)
+            combined = combine_slots(rows, order, weights, N)
+            if k <= 2:
+                assert torch.equal(combined, dense), (k, dtype)
+            else:
+                torch.testing.assert_close(combined, dense)

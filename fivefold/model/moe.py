@@ -128,18 +128,30 @@ def sort_slots_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor, num_exper
     return order, counts
 
 
+def combine_slots(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """y[t] = sum over token t's kept slots of weight * expert output.
+
+    rows (S_kept, h): the outputs of the kept slots `order` (flat slot ids, token * k + choice);
+    weights (N, k). Dropped slots add nothing, so only kept rows are weighted and summed; a
+    token's slots are added in expert order (a layout-independent order).
+    """
+    k = weights.shape[-1]
+    w = weights.reshape(-1).index_select(0, order).to(rows.dtype)  # (S_kept,)
+    out = rows.new_zeros(num_tokens, rows.shape[-1])
+    return out.index_add(0, order // k, rows * w[:, None])
+
+
 class LocalDispatcher(nn.Module):
-    """Single-device dispatch: group token-slots by expert, run the experts, put results back."""
+    """Single-device dispatch: group token-slots by expert and run the experts."""
 
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor, experts: Experts
-    ) -> torch.Tensor:
-        """x (N, h); expert_ids, keep (N, k). Returns per-slot outputs (N*k, h), zero where dropped."""
-        N, k = expert_ids.shape
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, h); expert_ids, keep (N, k). Returns the outputs of the kept slots (S_kept, h)
+        and those slots' flat ids (S_kept,), as `combine_slots` takes them."""
+        k = expert_ids.shape[1]
         order, counts = sort_slots_by_expert(expert_ids.reshape(-1), keep.reshape(-1), experts.num_local)
-        y = experts(x[order // k], counts.tolist())
-        slots = x.new_zeros(N * k, x.shape[-1])
-        return slots.index_copy(0, order, y)
+        return experts(x.index_select(0, order // k), counts.tolist()), order
 
 
 def capacity_keep(
@@ -276,10 +288,10 @@ class MoE(nn.Module):
             self._reduce(torch.full((1, 1), float(T), device=x.device)).item()
         )
         keep = self._keep_mask(ids, tokens_per_sequence)
-        slots = self.dispatcher(x.reshape(B * T, h), ids.reshape(B * T, -1), keep.reshape(B * T, -1), self.experts)
-        slots = slots.view(B * T, self.top_k, h)
-        w = (weights * keep).to(slots.dtype).reshape(B * T, self.top_k, 1)
-        y = (slots * w).sum(dim=1).view(B, T, h)
+        rows, order = self.dispatcher(
+            x.reshape(B * T, h), ids.reshape(B * T, -1), keep.reshape(B * T, -1), self.experts
+        )
+        y = combine_slots(rows, order, weights, B * T).view(B, T, h)
         if self.shared is not None:
             y = y + self.shared(x)
         with torch.no_grad():

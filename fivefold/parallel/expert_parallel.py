@@ -9,10 +9,11 @@ swapped for `ExpertParallelDispatcher`, which
 2. exchanges the per-expert counts with an all-to-all, so every rank knows its receive splits;
 3. sends the token rows with an all-to-all of uneven splits;
 4. regroups the received rows by local expert and runs the experts (`Experts.kernel`);
-5. sends the results back with the reverse all-to-all and puts each at its slot.
+5. restores the (source, expert) order and sends the results back with the reverse all-to-all.
 
-The MoE then weights the slots by their router probabilities as in the single-process model.
-Backward runs through the same pairs (`comm.all_to_all_autograd`, index ops). Routing,
+It returns the kept slots' outputs in dispatch order, as the single-device dispatcher does, and
+the MoE weights them by their router probabilities and adds them to their tokens
+(`combine_slots`). Backward runs through the same pairs (`comm.all_to_all_autograd`, index ops). Routing,
 capacity and dropped tokens are decided before dispatch from this rank's tokens only, so they
 are identical to the single-process model's (per-sequence capacity, see model/moe.py).
 
@@ -77,17 +78,10 @@ def regroup_by_local_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, li
     return order, recv_counts.sum(dim=0).tolist()
 
 
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inv such that inv[order[i]] = i, i.e. values[order][inv] == values."""
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return inv
-
-
-def unpermute(rows: torch.Tensor, order: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """Scatter rows (S_kept, h) back to their slots: out[order[i]] = rows[i]; zeros elsewhere."""
-    out = rows.new_zeros(num_slots, rows.shape[-1])
-    return out.index_copy(0, order, rows)
+def unpermute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Undo a gather by `order` (a permutation): out[order[i]] = rows[i], so that
+    unpermute(values.index_select(0, order), order) == values. One scatter, no inverse index."""
+    return rows.new_empty(rows.shape).index_copy(0, order, rows)
 
 
 # ----------------------------------------------------------------------------- the dispatcher
@@ -110,15 +104,17 @@ class ExpertParallelDispatcher(nn.Module):
         self.sent_counts = torch.zeros(self.num_experts, dtype=torch.int64)
         self.calls = 0
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        """x (N, h); expert_ids, keep (N, k). Returns per-slot outputs (N*k, h), zero where dropped."""
-        N, k = expert_ids.shape
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor, experts: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, h); expert_ids, keep (N, k). Returns the outputs of the kept slots (S_kept, h)
+        and those slots' flat ids (S_kept,), as `model.moe.combine_slots` takes them."""
+        k = expert_ids.shape[1]
         order, counts = dispatch_order(expert_ids.reshape(-1), keep.reshape(-1), self.num_experts)
         with torch.no_grad():
             self.sent_counts += counts.cpu()
             self.calls += 1
-        rows = self._exchange_and_compute(x[order // k], counts, experts)  # (S_kept, h)
-        return unpermute(rows, order, N * k)  # (N*k, h)
+        return self._exchange_and_compute(x.index_select(0, order // k), counts, experts), order
 
     def _exchange_and_compute(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """Rows (S_kept, h) ordered by global expert -> expert outputs, in the same order."""
@@ -131,7 +127,7 @@ class ExpertParallelDispatcher(nn.Module):
         order, expert_counts = regroup_by_local_expert(recv_counts)
         grouped = received.index_select(0, order)
         out = experts(grouped, expert_counts)  # (R, h), partial over the ffn shards when tp-split
-        out = out.index_select(0, inverse_permutation(order))  # back to (source, expert) order
+        out = unpermute(out, order)  # back to (source, expert) order
         return comm.all_to_all_autograd(out, self.ep, recv_splits, send_splits)
 
 
@@ -182,6 +178,6 @@ def moe_dispatchers(chunks: Sequence[nn.Module]) -> dict[str, ExpertParallelDisp
 
 __all__ = [
     "ExpertParallelDispatcher", "apply_expert_parallel",
-    "dispatch_order", "inverse_permutation", "moe_dispatchers", "rank_splits",
+    "dispatch_order", "moe_dispatchers", "rank_splits",
     "regroup_by_local_expert", "unpermute",
 ]
