@@ -3,6 +3,9 @@
 Run on CPU with gloo (2 ranks, ep = 2):
   DS_ACCELERATOR=cpu PYTHONPATH=$PWD OMP_NUM_THREADS=1 python3 -m torch.distributed.run \
       --standalone --nproc-per-node 2 benchmarks/bench_ep.py
+`--profile N` then profiles N steps of every case per round (torch.profiler, each rank) and
+prints, per rank, the self time per step of each operator and of each kind of work (GEMMs,
+all-to-all, index/permutation, element-wise, other), summed over the alternated rounds.
 
 Every case is one forward + backward of one MoE layer (8 SwiGLU experts, top-2, capacity
 factor 1.25) with its experts sharded over the two ranks, alternated in one run. Memory is the
@@ -23,6 +26,7 @@ computes the kept rows only, after exchanging the counts.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 
 import torch
@@ -117,6 +121,58 @@ def make_step(layer: nn.Module, x: torch.Tensor, is_deepspeed: bool):
     return step
 
 
+OP_KINDS = {  # operator name -> kind of work, for the --profile tables
+    "gemm": ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm"),
+    "all-to-all": ("_AllToAll", "_AllToAllBackward", "c10d::alltoall_base_", "c10d::alltoall_"),
+    "index/permute": ("aten::index", "aten::index_select", "aten::index_copy", "aten::index_add_", "aten::index_add",
+                      "aten::_index_put_impl_", "aten::scatter_", "aten::scatter_add_", "aten::gather", "aten::cat",
+                      "aten::sort", "aten::argsort", "aten::nonzero", "aten::bincount", "aten::one_hot",
+                      "aten::repeat_interleave", "aten::cumsum", "aten::topk", "aten::argmax"),
+    "element-wise": ("aten::mul", "aten::silu", "aten::silu_backward", "aten::add", "aten::add_", "aten::sum",
+                     "aten::div", "aten::pow", "aten::fill_", "aten::copy_", "aten::zero_", "aten::_softmax",
+                     "aten::_softmax_backward_data", "aten::masked_fill", "aten::lt", "aten::sub", "aten::mean",
+                     "aten::logsumexp", "aten::exp", "aten::log", "aten::clamp_min", "aten::clamp"),
+}
+
+
+def op_kind(name: str) -> str:
+    return next((kind for kind, names in OP_KINDS.items() if name in names), "other")
+
+
+def profile_cases(steps: dict, rounds: int, per_round: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per case: operator -> (self CPU ms per step, calls per step), over `rounds` alternated rounds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    totals = {name: collections.defaultdict(lambda: [0.0, 0]) for name in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(per_round):
+                    steps[name]()
+            for event in prof.key_averages():
+                totals[name][event.key][0] += event.self_cpu_time_total
+                totals[name][event.key][1] += event.count
+    n = rounds * per_round
+    return {name: {op: (us / 1e3 / n, calls / n) for op, (us, calls) in ops.items()} for name, ops in totals.items()}
+
+
+def print_profile(per_case: dict[str, dict[str, tuple[float, float]]], top: int = 25) -> None:
+    """One rank's per-kind and per-operator table, cases side by side."""
+    names = list(per_case)
+    header = "".join(f"{name:>24}" for name in names)
+    print(f"rank {dist.get_rank()}: self CPU ms per step (calls per step)\n{'kind':44}{header}")
+    for kind in (*OP_KINDS, "other", "total"):
+        row = [sum(ms for op, (ms, _) in per_case[n].items() if kind == "total" or op_kind(op) == kind) for n in names]
+        print(f"{kind:44}" + "".join(f"{ms:24.2f}" for ms in row))
+    ops = sorted({op for n in names for op in per_case[n]}, key=lambda op: -max(per_case[n].get(op, (0, 0))[0] for n in names))
+    print(f"{'operator':44}{header}")
+    for op in ops[:top]:
+        cells = "".join(f"{per_case[n].get(op, (0, 0))[0]:16.3f} ({per_case[n].get(op, (0, 0))[1]:4.0f})" for n in names)
+        print(f"{op[:43]:44}{cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=384)
@@ -129,6 +185,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", default="runs/bench/ep.json")
     parser.add_argument("--no-deepspeed", action="store_true", help="compare the expert kernels only")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N steps per case per round and print per-operator tables")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.no_deepspeed:
@@ -170,6 +228,12 @@ def main() -> None:
         for name, res in results.items():
             print(f"{name}: saved activations {res.extra['saved_activation_mb']:.2f} MB")
         print("json:", write_json([comparison], args.out))
+    if args.profile:
+        per_case = profile_cases(steps, args.rounds, args.profile)
+        for rank in range(dist.get_world_size()):
+            if rank == dist.get_rank():
+                print_profile(per_case)
+            dist.barrier()
     dist.destroy_process_group()
 
 
