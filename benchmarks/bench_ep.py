@@ -121,6 +121,16 @@ def make_step(layer: nn.Module, x: torch.Tensor, is_deepspeed: bool):
     return step
 
 
+def repeated(step, times: int):
+    """One timed call = `times` steps: one step is ~75 ms, short enough for a single descheduling
+    on a shared machine to swing a round's ratio by 10%."""
+    def run() -> None:
+        for _ in range(times):
+            step()
+
+    return run
+
+
 OP_KINDS = {  # operator name -> kind of work, for the --profile tables
     "gemm": ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm"),
     "all-to-all": ("_AllToAll", "_AllToAllBackward", "c10d::alltoall_base_", "c10d::alltoall_"),
@@ -183,6 +193,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank (1: the same capacity rule as DeepSpeed)")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed call (the times are per step)")
     parser.add_argument("--out", default="runs/bench/ep.json")
     parser.add_argument("--no-deepspeed", action="store_true", help="compare the expert kernels only")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -214,7 +225,10 @@ def main() -> None:
     steps = {name: make_step(layer, x, ds) for name, (layer, ds) in layers.items()}
     if dist.get_rank() == 0:
         print("layers built", flush=True)
-    results = alternate(steps, warmup=2, rounds=args.rounds, sync=dist.barrier)
+    results = alternate({name: repeated(step, args.steps) for name, step in steps.items()},
+                        warmup=2, rounds=args.rounds, sync=dist.barrier)
+    for res in results.values():  # seconds per step
+        res.seconds = [t / args.steps for t in res.seconds]
     gather_peak_rss(results)
     for name, step in steps.items():
         results[name].extra["saved_activation_mb"] = saved_bytes(step) / 2**20
