@@ -11,7 +11,8 @@ Layout-independent definitions, so every parallel layout reproduces the single-p
   tokens of logsumexp(logits)^2.
 
 Parallel layouts plug in through two attributes, set from outside:
-- `dispatcher`: moves token-slots to the experts and back (expert parallel swaps it);
+- `dispatcher`: takes the kept token-slots' rows grouped by expert and returns the experts'
+  outputs in the same order (expert parallel swaps it for one that runs them where they live);
 - `token_stats_reduce`: sums per-sequence statistics over the ranks that hold other tokens
   of the same sequences (context and sequence parallel set it).
 """
@@ -128,30 +129,47 @@ def sort_slots_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor, num_exper
     return order, counts
 
 
-def combine_slots(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """y[t] = sum over token t's kept slots of weight * expert output.
+class _ScatterRows(torch.autograd.Function):
+    """out[index[i]] = rows[i] (or +=, into zeros) in a new (num_rows, h) tensor; backward gathers
+    the gradient's rows by the same index. Autograd's index_add/index_copy would also keep `rows`
+    alive for backward (for their shape only); this keeps the index alone."""
 
-    rows (S_kept, h): the outputs of the kept slots `order` (flat slot ids, token * k + choice);
-    weights (N, k). Dropped slots add nothing, so only kept rows are weighted and summed; a
-    token's slots are added in expert order (a layout-independent order).
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, num_rows: int, accumulate: bool) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        if accumulate:
+            return rows.new_zeros(num_rows, rows.shape[-1]).index_add_(0, index, rows)
+        return rows.new_empty(num_rows, rows.shape[-1]).index_copy_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None, None
+
+
+def scatter_rows(rows: torch.Tensor, index: torch.Tensor, num_rows: int, accumulate: bool = False) -> torch.Tensor:
+    """Rows (S, h) to rows `index` of a new (num_rows, h) tensor: summed into zeros with
+    `accumulate`, else copied (then `index` must cover every row: a permutation)."""
+    return _ScatterRows.apply(rows, index, num_rows, accumulate)
+
+
+def combine_slots(rows: torch.Tensor, order: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y[t] = sum over token t's kept slots of router weight * expert output.
+
+    rows (S_kept, h): the outputs of the kept slots `order` (flat slot ids, token * k + choice),
+    `tokens` = order // k; weights (N, k). Dropped slots add nothing, so only kept rows are
+    weighted and summed; a token's slots are added in expert order (a layout-independent order).
     """
-    k = weights.shape[-1]
     w = weights.reshape(-1).index_select(0, order).to(rows.dtype)  # (S_kept,)
-    out = rows.new_zeros(num_tokens, rows.shape[-1])
-    return out.index_add(0, order // k, rows * w[:, None])
+    return scatter_rows(rows * w[:, None], tokens, weights.shape[0], accumulate=True)
 
 
 class LocalDispatcher(nn.Module):
-    """Single-device dispatch: group token-slots by expert and run the experts."""
+    """Single-device dispatch: the rows are already grouped by expert; run the experts."""
 
-    def forward(
-        self, x: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor, experts: Experts
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (N, h); expert_ids, keep (N, k). Returns the outputs of the kept slots (S_kept, h)
-        and those slots' flat ids (S_kept,), as `combine_slots` takes them."""
-        k = expert_ids.shape[1]
-        order, counts = sort_slots_by_expert(expert_ids.reshape(-1), keep.reshape(-1), experts.num_local)
-        return experts(x.index_select(0, order // k), counts.tolist()), order
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        """rows (S_kept, h) grouped by expert, counts (E,) rows each. Returns their outputs."""
+        return experts(rows, counts.tolist())
 
 
 def capacity_keep(
@@ -288,10 +306,10 @@ class MoE(nn.Module):
             self._reduce(torch.full((1, 1), float(T), device=x.device)).item()
         )
         keep = self._keep_mask(ids, tokens_per_sequence)
-        rows, order = self.dispatcher(
-            x.reshape(B * T, h), ids.reshape(B * T, -1), keep.reshape(B * T, -1), self.experts
-        )
-        y = combine_slots(rows, order, weights, B * T).view(B, T, h)
+        order, counts = sort_slots_by_expert(ids.reshape(-1), keep.reshape(-1), self.num_experts)
+        tokens = order // self.top_k
+        rows = self.dispatcher(x.reshape(B * T, h).index_select(0, tokens), counts, self.experts)
+        y = combine_slots(rows, order, tokens, weights.reshape(B * T, -1)).view(B, T, h)
         if self.shared is not None:
             y = y + self.shared(x)
         with torch.no_grad():

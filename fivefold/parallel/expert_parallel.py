@@ -1,21 +1,22 @@
 """Expert parallelism: the experts of every MoE layer are sharded over the `ep` group.
 
 The rest of the model stays replicated. Each rank routes its own tokens (different dp rows
-or cp segments) exactly as the single-process model does, then the MoE's `dispatcher` is
-swapped for `ExpertParallelDispatcher`, which
+or cp segments) exactly as the single-process model does and orders the kept token-slots by
+global expert (model/moe.py; experts of ep rank r are the contiguous block
+[r * E/ep, (r+1) * E/ep), so this also groups them by destination rank). The MoE's
+`dispatcher` is swapped for `ExpertParallelDispatcher`, which
 
-1. orders the kept token-slots by global expert (experts of ep rank r are the contiguous
-   block [r * E/ep, (r+1) * E/ep), so this also groups them by destination rank);
-2. exchanges the per-expert counts with an all-to-all, so every rank knows its receive splits;
-3. sends the token rows with an all-to-all of uneven splits;
-4. regroups the received rows by local expert and runs the experts (`Experts.kernel`);
-5. restores the (source, expert) order and sends the results back with the reverse all-to-all.
+1. exchanges the per-expert counts with an all-to-all, so every rank knows its receive splits;
+2. sends the token rows with an all-to-all of uneven splits;
+3. regroups the received rows by local expert and runs the experts (`Experts.kernel`);
+4. restores the (source, expert) order and sends the results back with the reverse all-to-all.
 
-It returns the kept slots' outputs in dispatch order, as the single-device dispatcher does, and
-the MoE weights them by their router probabilities and adds them to their tokens
-(`combine_slots`). Backward runs through the same pairs (`comm.all_to_all_autograd`, index ops). Routing,
-capacity and dropped tokens are decided before dispatch from this rank's tokens only, so they
-are identical to the single-process model's (per-sequence capacity, see model/moe.py).
+It returns the kept slots' outputs in dispatch order, as the single-device dispatcher does; the
+MoE weights them by their router probabilities and adds them to their tokens
+(`combine_slots`). Backward runs through the same pairs (`comm.all_to_all_autograd`, index
+ops). Routing, capacity and dropped tokens are decided before dispatch from this rank's tokens
+only, so they are identical to the single-process model's (per-sequence capacity, see
+model/moe.py).
 
 Gradients: expert weights are `replicated_over` ("edp",) (and "tp" when not tp-split), so the
 data-parallel optimizer sums their gradients over expert-data-parallel ranks (and ZeRO shards
@@ -41,7 +42,7 @@ import torch.nn as nn
 
 from ..config import Config
 from ..mesh import Axis, Mesh
-from ..model.moe import sort_slots_by_expert
+from ..model.moe import scatter_rows, sort_slots_by_expert
 from . import comm
 from .sharding import Placement, Split, get_placement, set_placement
 
@@ -81,7 +82,7 @@ def regroup_by_local_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, li
 def unpermute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """Undo a gather by `order` (a permutation): out[order[i]] = rows[i], so that
     unpermute(values.index_select(0, order), order) == values. One scatter, no inverse index."""
-    return rows.new_empty(rows.shape).index_copy(0, order, rows)
+    return scatter_rows(rows, order, rows.shape[0])
 
 
 # ----------------------------------------------------------------------------- the dispatcher
@@ -104,17 +105,13 @@ class ExpertParallelDispatcher(nn.Module):
         self.sent_counts = torch.zeros(self.num_experts, dtype=torch.int64)
         self.calls = 0
 
-    def forward(
-        self, x: torch.Tensor, expert_ids: torch.Tensor, keep: torch.Tensor, experts: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (N, h); expert_ids, keep (N, k). Returns the outputs of the kept slots (S_kept, h)
-        and those slots' flat ids (S_kept,), as `model.moe.combine_slots` takes them."""
-        k = expert_ids.shape[1]
-        order, counts = dispatch_order(expert_ids.reshape(-1), keep.reshape(-1), self.num_experts)
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """rows (S_kept, h) of the kept slots, grouped by global expert, counts (E,) rows each.
+        Returns the experts' outputs for those rows, in the same order."""
         with torch.no_grad():
             self.sent_counts += counts.cpu()
             self.calls += 1
-        return self._exchange_and_compute(x.index_select(0, order // k), counts, experts), order
+        return self._exchange_and_compute(rows, counts, experts)
 
     def _exchange_and_compute(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """Rows (S_kept, h) ordered by global expert -> expert outputs, in the same order."""

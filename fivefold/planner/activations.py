@@ -36,8 +36,8 @@ fp32 weights the residual stream and x * rstd stay fp32 and every linear layer s
 bf16 cast of its input and of its weight; the rotary tables are cast per layer for q and k.
 MoE layers replace the MLP by the router (logits, kept by the z-loss's logsumexp, probs,
 top-k ids, weights), the dispatch orders, per routed copy of a token (k per token, balanced
-routing) experts.input, four SwiGLU tensors of width f_e, the experts' rows kept by
-index_copy, combine.expert_out and weights, four SwiGLU tensors of the shared experts, and
+routing) experts.input, four SwiGLU tensors of width f_e, the experts' output rows and their
+router weights (combine), four SwiGLU tensors of the shared experts, and
 per-sequence auxiliary-loss statistics. Not modelled (below 0.2% in the dry-run cases): a
 sigmoid router's two per-token sums, the shared fp32 rotary tables, the loss's per-token
 targets and statistics.
@@ -263,14 +263,12 @@ def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool, ep: int) -> list[SavedTensor]:
             SavedTensor("router.logsumexp", x.rows, 4),
             SavedTensor("router.topk_ids", slots, 8),
             SavedTensor("router.weights_and_sum", slots + x.rows, 4),
-            SavedTensor("dispatch.order", (2 if ep == 1 else 4) * slots, 8),  # ep: regrouped by local expert
+            SavedTensor("dispatch.order", (2 if ep == 1 else 3) * slots, 8),  # slots, tokens; ep: regrouping
             SavedTensor("experts.input", slots * h, ab)]
     out += [SavedTensor("experts.group_offsets", e // ep, 4)]  # the grouped-matmul kernel's offsets
     out += _swiglu("experts", slots, f, ab)
-    out += [SavedTensor("dispatch.expert_rows", slots * h, ab),  # the experts' output, kept by index_copy
-            SavedTensor("combine.expert_out", slots * h, ab),
+    out += [SavedTensor("dispatch.expert_rows", slots * h, ab),  # the experts' output, kept by the weighting
             SavedTensor("combine.weights", slots, ab),
-            SavedTensor("combine.keep", slots, 1),
             SavedTensor("aux_loss.per_sequence", x.b * (4 * e + 3), 4)]  # statistics, f and p per sequence
     if m.shared_experts:
         out += _swiglu("shared", x.rows, f * m.shared_experts, ab)
