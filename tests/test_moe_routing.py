@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.model.moe import Experts, combine_slots
+from fivefold.model.moe import Experts, combine_slots, scatter_rows
 from fivefold.parallel.expert_parallel import (
     dispatch_order,
     rank_splits,
@@ -135,3 +135,21 @@ def test_combine_slots_weights_and_sums_the_kept_slots():
                 assert torch.equal(combined, dense), (k, dtype)
             else:
                 torch.testing.assert_close(combined, dense)
+
+
+def test_scatter_rows_matches_index_add_and_keeps_only_the_index():
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randn(9, 4, generator=gen, requires_grad=True)
+    for accumulate, index, num_rows in [(True, torch.tensor([3, 0, 3, 5, 1, 0, 2, 2, 4]), 7),
+                                        (False, torch.randperm(9, generator=gen), 9)]:
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = scatter_rows(rows, index, num_rows, accumulate)
+        assert [t.data_ptr() for t in saved] == [index.data_ptr()]  # not the rows
+        reference = (torch.zeros(num_rows, 4).index_add(0, index, rows) if accumulate
+                     else torch.empty(num_rows, 4).index_copy(0, index, rows))
+        assert torch.equal(out, reference)
+        grad = torch.randn(num_rows, 4, generator=gen)
+        (ours,) = torch.autograd.grad(out, rows, grad)
+        (theirs,) = torch.autograd.grad(reference, rows, grad)
+        assert torch.equal(ours, theirs)
