@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -121,14 +123,34 @@ def make_step(layer: nn.Module, x: torch.Tensor, is_deepspeed: bool):
     return step
 
 
-def repeated(step, times: int):
+def repeated(step, times: int, cpu_seconds: list[float]):
     """One timed call = `times` steps: one step is ~75 ms, short enough for a single descheduling
-    on a shared machine to swing a round's ratio by 10%."""
+    on a shared machine to swing a round's ratio by 10%. Appends the process CPU time per step
+    (all threads, gloo's included) of every call to `cpu_seconds`: it does not count waiting,
+    so it depends less on what else the machine runs than wall time does."""
     def run() -> None:
+        start = time.process_time()
         for _ in range(times):
             step()
+        cpu_seconds.append((time.process_time() - start) / times)
 
     return run
+
+
+def print_cpu_ratios(cpu: dict[str, list[float]], baseline: str) -> None:
+    """Rank 0 prints, per rank and case, the median CPU time per step and the median over rounds
+    of baseline CPU / case CPU (above 1: the case uses less CPU than the baseline)."""
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, cpu)
+    if dist.get_rank() != 0:
+        return
+    for rank, cases in enumerate(per_rank):
+        cells = ", ".join(
+            f"{name} {statistics.median(sec) * 1e3:.1f} ms ({baseline}/this "
+            f"{statistics.median(b / c for b, c in zip(cases[baseline], sec)):.3f})"
+            for name, sec in cases.items()
+        )
+        print(f"CPU per step, rank {rank}: {cells}")
 
 
 OP_KINDS = {  # operator name -> kind of work, for the --profile tables
@@ -225,8 +247,11 @@ def main() -> None:
     steps = {name: make_step(layer, x, ds) for name, (layer, ds) in layers.items()}
     if dist.get_rank() == 0:
         print("layers built", flush=True)
-    results = alternate({name: repeated(step, args.steps) for name, step in steps.items()},
-                        warmup=2, rounds=args.rounds, sync=dist.barrier)
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    warmup = 2
+    results = alternate({name: repeated(step, args.steps, cpu[name]) for name, step in steps.items()},
+                        warmup=warmup, rounds=args.rounds, sync=dist.barrier)
+    cpu = {name: sec[warmup:] for name, sec in cpu.items()}  # the timed rounds only
     for res in results.values():  # seconds per step
         res.seconds = [t / args.steps for t in res.seconds]
     gather_peak_rss(results)
@@ -242,6 +267,7 @@ def main() -> None:
         for name, res in results.items():
             print(f"{name}: saved activations {res.extra['saved_activation_mb']:.2f} MB")
         print("json:", write_json([comparison], args.out))
+    print_cpu_ratios(cpu, comparison.baseline)
     if args.profile:
         per_case = profile_cases(steps, args.rounds, args.profile)
         for rank in range(dist.get_world_size()):
