@@ -226,6 +226,27 @@ def test_overlapped_tp_backward_is_bitwise_the_plain_one(pools, reference, case)
     assert_parity(reference(config, STEPS), overlapped)
 
 
+def test_overlap_under_compile_is_bitwise_the_plain_compiled_run(pools, reference):
+    """train.compile with layout.tp_overlap: the deferred linears break the compiled block's
+    graph (their backward leaves work in a list, which dynamo does not trace) and run
+    eagerly; the result is bitwise the compiled run without overlap and matches the eager
+    single process. One pool call per run, so each compilation gets the pool's full timeout;
+    the shapes of tests/test_compile.py's tp case, whose graphs inductor has cached."""
+    import dataclasses
+
+    from fivefold.tools.parity import assert_parity, with_layout
+
+    from helpers import trace_on_rank
+
+    config = load_config("tiny", ["train.seq_len=16", "train.compile=true", "layout.tp=2", "layout.sequence_parallel=true"])
+    plain = pools.run(2, trace_on_rank, config, STEPS)[0]
+    overlapped = pools.run(2, trace_on_rank, with_layout(config, tp_overlap=True), STEPS)[0]
+    assert overlapped.losses == plain.losses and overlapped.grad_norms == plain.grad_norms
+    assert all(torch.equal(overlapped.params[n], plain.params[n]) for n in plain.params)
+    eager = config.replace(train=dataclasses.replace(config.train, compile=False))
+    assert_parity(reference(eager, STEPS), overlapped)
+
+
 DP_REASON = "fivefold.parallel.data_parallel is not importable yet (data parallel / ZeRO land separately)"
 
 

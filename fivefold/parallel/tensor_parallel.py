@@ -211,6 +211,10 @@ def overlapped_region_input(x: torch.Tensor, axis: Axis, layout: str, pending: P
 
 # ----------------------------------------------------------------------------- parallel layers
 
+# Under train.compile a deferred linear cannot be part of a graph (its backward leaves work in
+# a Python list): marked eager, dynamo breaks the graph there without first trying to trace it.
+_eager_deferred_linear = torch.compiler.disable(deferred_linear)
+
 
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T: this rank holds a slice of the output features (rows of W).
@@ -231,7 +235,7 @@ class ColumnParallelLinear(nn.Module):
         if self.pending is None:
             return F.linear(region_input(x, self.axis, self.input_layout), self.weight)  # (B, T, out/tp)
         x = overlapped_region_input(x, self.axis, self.input_layout, self.pending)
-        return deferred_linear(x, self.weight, self.pending.items)
+        return _eager_deferred_linear(x, self.weight, self.pending.items)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, input={self.input_layout}"
