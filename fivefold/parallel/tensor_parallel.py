@@ -34,8 +34,13 @@ column layers' weight gradients dW = dy^T x need only their own x and dy. With o
 column layers hand (x, dy) to their region's entry instead of computing dW, and the entry
 starts its collective asynchronously, computes the region's dW while it travels, then waits
 (Megatron's asynchronous grad-input communication). Same operations, so the same bits; only
-the order changes. Whether it pays depends on whether communication and matmuls use
-different resources (`benchmarks/bench_tp.py --probe` measures it).
+the order changes. The entry returns the weight gradients from its own backward (the column
+weights are its inputs), so they are accumulated within the one backward pass like every
+other gradient: data parallel's and ZeRO's bucket counting, ZeRO-3's freeing of a block's
+gathered parameters once all its gradients are in, and the zero-bubble pipeline's B (which
+then holds them for W) work unchanged. Under train.compile the deferred linears run eagerly
+between the block's compiled graphs. Whether it pays depends on whether communication and
+matmuls use different resources (`benchmarks/bench_tp.py --probe` measures it).
 
 Design choices:
 - MoE under sequence parallel gathers the tokens before the block and reduce-scatters after
