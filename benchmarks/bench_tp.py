@@ -248,11 +248,12 @@ def forward_probe(config, rounds: int) -> bench.Comparison:
             gathered, work = comm.all_gather(x, mesh.tp, dim=1, async_op=True)
             own = [F.linear(x, w) for w in region]
             work.wait()
-            full = gathered.contiguous()
-            parts = [full[:, j * local:(j + 1) * local] for j in range(t)]
+            # The gather lands sequence-major, (T, B, h): each rank's rows are one contiguous block.
+            by_rank = gathered.movedim(1, 0).chunk(t)
             for w, mine in zip(region, own):
-                pieces = [mine if j == rank else F.linear(part, w) for j, part in enumerate(parts)]
+                pieces = [mine if j == rank else F.linear(part, w).movedim(0, 1) for j, part in enumerate(by_rank)]
                 outs.append(torch.cat(pieces, dim=1) if assemble else pieces[0])
+            gathered.contiguous()  # kept for backward, as the plain entry keeps it
         return outs
 
     def gather_alone() -> None:
