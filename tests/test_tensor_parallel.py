@@ -204,6 +204,11 @@ OVERLAP_CASES = {  # id: (world, preset, overrides): all-reduce and reduce-scatt
     "pp2-tp2-sp-zb-h1": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=zb-h1",
                                      "layout.sequence_parallel=true")),
     "pp2-tp2-zb-h1": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=zb-h1")),
+    "dp2-pp2-tp2-zero1-sp-zb-h1": (8, "tiny", ("layout.dp=2", "layout.pp=2", "layout.tp=2", "layout.zero=1",
+                                               "layout.sequence_parallel=true", "layout.grad_accum=4",
+                                               "layout.pp_schedule=zb-h1")),
+    "pp2-vpp2-tp2-interleaved": (4, "tiny", ("layout.pp=2", "layout.vpp=2", "layout.tp=2", "layout.grad_accum=4",
+                                             "layout.pp_schedule=interleaved")),
     "tp2-sp-recompute-full": (2, "tiny", ("layout.tp=2", "layout.sequence_parallel=true", "layout.recompute=full")),
 }
 
