@@ -14,7 +14,11 @@ With --overlap-case (default) a third case, "fivefold_overlap", trains the same 
 reduce-scatter (all-reduce without SP) asynchronously and computes the column layers' weight
 gradients while it travels. --probe times that overlap in isolation on one layer's shapes
 (communication alone, weight-gradient matmuls alone, one after the other, overlapped), which
-shows how much of the communication the matmuls can hide on this machine.
+shows how much of the communication the matmuls can hide on this machine. --forward-probe
+times the forward side of async TP the same way: each region's sequence all-gather started
+asynchronously and the column matmuls of the rows already here (this rank's own) run while
+it travels, the other ranks' rows after it, against all-gather then matmul (the outputs are
+checked bitwise equal).
 
 Reported per case: median step time, the median per-round ratio to fivefold, the peak
 resident memory during a step (the kernel's high-water mark reset before each step; the
@@ -212,6 +216,64 @@ def overlap_probe(config, rounds: int) -> bench.Comparison:
     return bench.compare(title, results, "sequential", {"tokens": tokens, "dx_mb": dx.numel() * 4 / 2**20})
 
 
+def forward_probe(config, rounds: int) -> bench.Comparison:
+    """One layer's column projections on the config's shapes under sequence parallel, each
+    region (attention: q, k, v; MLP: gate, up) entered the plain way -- all-gather the
+    sequence, then the matmuls -- against the chunked way of async TP: start the all-gather,
+    multiply this rank's own rows while it travels, wait, multiply the other ranks' rows and
+    concatenate (in the (B, T, C) layout a rank's rows are not contiguous in the output, so
+    the pieces are copied; "chunked_unassembled" leaves them apart, a lower bound). Both make
+    the gathered input contiguous (the column layers keep it for backward). Also checks that the chunked outputs equal the plain ones bit for bit."""
+    from fivefold.parallel import comm
+
+    mesh = Mesh.build(validate(config, dist.get_world_size()).layout)
+    m, t, rank = config.model, dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    local = config.train.seq_len // t
+    x = torch.randn(config.train.global_batch, local, m.hidden, generator=gen)
+    kv = m.n_kv_heads * m.head_dim // t
+    regions = [[m.heads * m.head_dim // t, kv, kv], [m.ffn // t] * 2]  # q, k, v | gate, up
+    weights = [[torch.randn(w, m.hidden, generator=gen) for w in widths] for widths in regions]
+
+    def plain() -> list[torch.Tensor]:
+        outs = []
+        for region in weights:
+            full = comm.all_gather(x, mesh.tp, dim=1).contiguous()
+            outs += [F.linear(full, w) for w in region]
+        return outs
+
+    def chunked(assemble: bool = True) -> list[torch.Tensor]:
+        outs = []
+        for region in weights:
+            gathered, work = comm.all_gather(x, mesh.tp, dim=1, async_op=True)
+            own = [F.linear(x, w) for w in region]
+            work.wait()
+            # The gather lands sequence-major, (T, B, h): each rank's rows are one contiguous block.
+            by_rank = gathered.movedim(1, 0).chunk(t)
+            for w, mine in zip(region, own):
+                pieces = [mine if j == rank else F.linear(part, w).movedim(0, 1) for j, part in enumerate(by_rank)]
+                outs.append(torch.cat(pieces, dim=1) if assemble else pieces[0])
+            gathered.contiguous()  # kept for backward, as the plain entry keeps it
+        return outs
+
+    def gather_alone() -> None:
+        for _ in weights:
+            comm.all_gather(x, mesh.tp, dim=1).contiguous()
+
+    def matmuls_alone() -> None:
+        full = torch.randn(config.train.global_batch, config.train.seq_len, m.hidden, generator=gen)
+        for region in weights:
+            for w in region:
+                F.linear(full, w)
+
+    exact = all(torch.equal(a, b) for a, b in zip(plain(), chunked()))
+    cases = {"plain": plain, "chunked": chunked, "all_gather": gather_alone, "matmuls": matmuls_alone,
+             "chunked_unassembled": lambda: chunked(assemble=False)}  # a bound: outputs left in pieces
+    results = bench.alternate(cases, warmup=2, rounds=rounds, sync=dist.barrier)
+    title = f"one layer's forward column projections, tp={t}, SP: all-gather then matmul vs chunked, {config.model.name}"
+    return bench.compare(title, results, "plain", {"bitwise_equal": exact, "x_local_mb": x.numel() * 4 / 2**20})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="small")
@@ -221,6 +283,8 @@ def main() -> None:
     parser.add_argument("--no-overlap-case", dest="overlap_case", action="store_false",
                         help="leave out the case with layout.tp_overlap switched")
     parser.add_argument("--probe", action="store_true", help="also time one layer's overlap in isolation")
+    parser.add_argument("--forward-probe", action="store_true",
+                        help="also time one layer's column projections with the input all-gather chunked (async TP)")
     args, overrides = parser.parse_known_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -232,9 +296,14 @@ def main() -> None:
     if args.probe:
         config = load_config(args.config, [f"layout.tp={world}", "layout.sequence_parallel=true", *overrides])
         comparisons.append(overlap_probe(config, args.rounds))
+    if args.forward_probe:
+        config = load_config(args.config, [f"layout.tp={world}", "layout.sequence_parallel=true", *overrides])
+        comparisons.append(forward_probe(config, args.rounds))
     if dist.get_rank() == 0:
         for c in comparisons:
             bench.print_table(c)
+            if "bitwise_equal" in c.meta:
+                print(f"  chunked outputs bitwise equal to plain: {c.meta['bitwise_equal']}")
             for name, res in c.cases.items():
                 if "saved_for_backward_mb" not in res.extra:
                     continue

@@ -143,8 +143,6 @@ def _check_tensor_parallel(layout: Layout, model: ModelConfig, train: TrainConfi
     _check_vocab_split(model.vocab_size, tp)
     if layout.tp_overlap and tp == 1:
         raise LayoutError("layout.tp_overlap needs tp > 1; set layout.tp or turn it off")
-    if layout.tp_overlap and layout.zero == 3:
-        raise LayoutError("layout.tp_overlap does not work with layout.zero=3 yet; turn one of them off")
     if layout.sequence_parallel:
         if tp == 1:
             raise LayoutError("layout.sequence_parallel needs tp > 1; set layout.tp or turn it off")

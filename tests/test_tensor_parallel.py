@@ -50,7 +50,6 @@ def test_bad_layouts_are_rejected_with_values_that_work():
         ("layout.tp=4", "layout.sequence_parallel=true", "train.seq_len=30"): "multiple of 4 (e.g. 28, 32), or tp in 2",
         ("layout.sequence_parallel=true",): "needs tp > 1",
         ("layout.tp_overlap=true",): "tp_overlap needs tp > 1",
-        ("layout.tp=2", "layout.dp=2", "layout.zero=3", "layout.tp_overlap=true"): "tp_overlap does not work with layout.zero=3",
     }
     for overrides, expected in cases.items():
         with pytest.raises(LayoutError, match=expected.replace("(", r"\(").replace(")", r"\)")):
@@ -102,6 +101,28 @@ def test_overlap_plan_hands_each_entry_the_weight_gradients_it_hides():
         assert shared.gate.pending is not None and shared.gate.pending is shared.up.pending
         regions = {id(attn.wq.pending), id(shared.gate.pending), id(model.layers["0"].attn.wq.pending)}
         assert len(regions) == 3 and model.head.pending is not None and id(model.head.pending) not in regions
+
+
+def test_a_deferred_weight_reports_one_gradient_arrival_when_its_gradient_exists():
+    """A deferred linear's backward must not run the weight's gradient accumulator: data
+    parallel and ZeRO count post-accumulate-grad hook calls as arrivals, and a call with no
+    gradient (autograd runs an input's accumulator even when backward returns None for it)
+    made ZeRO-3 free a unit's parameters before its last column layer's backward. Checked
+    with an input that needs a gradient and one that does not (then the weight value does)."""
+    from fivefold.parallel.deferred import deferred_linear, weight_grad
+
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    arrivals: list[torch.Tensor | None] = []
+    weight.register_post_accumulate_grad_hook(lambda p: arrivals.append(p.grad))
+    for input_needs_grad in (True, False):
+        x = torch.randn(2, 3, requires_grad=input_needs_grad)
+        pending: list = []
+        deferred_linear(x, weight, pending).sum().backward()
+        assert arrivals == [] and len(pending) == 1 and weight.grad is None
+        expected = weight_grad(pending[0])
+        torch.autograd.backward([weight], [expected])
+        assert len(arrivals) == 1 and torch.equal(arrivals.pop(), expected)
+        weight.grad = None
 
 
 def test_repeated_kv_heads_count_once():
@@ -159,7 +180,8 @@ def test_parity_and_exact_tp_traffic(pools, reference, case):
 
 
 def _plain_and_overlapped(ctx, config, steps: int):
-    """Train `config` with layout.tp_overlap off and on; the traces of both (rank 0) and the tp bytes."""
+    """Train `config` with layout.tp_overlap off and on; the traces of both (rank 0) and the bytes
+    moved on every axis."""
     from fivefold.tools.parity import train_trace, with_layout
 
     out = []
@@ -167,7 +189,7 @@ def _plain_and_overlapped(ctx, config, steps: int):
         resolved = validate(with_layout(config, tp_overlap=overlap), ctx.world_size)
         mesh = ctx.mesh(resolved.layout)
         trace = train_trace(resolved, mesh, steps)
-        out.append((trace if ctx.rank == 0 else None, {op: v for (axis, op), v in mesh.stats.wire.items() if axis == "tp"}))
+        out.append((trace if ctx.rank == 0 else None, dict(mesh.stats.wire)))
     return out
 
 
@@ -175,6 +197,18 @@ OVERLAP_CASES = {  # id: (world, preset, overrides): all-reduce and reduce-scatt
     "tp2-sp-dense-accum": (2, "tiny", ("layout.tp=2", "layout.sequence_parallel=true", "layout.grad_accum=2")),
     "tp2-moe-shared-tied": (2, "tiny-moe", ("layout.tp=2", "model.tied_embeddings=true")),
     "dp2-tp2-zero2-sp": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=2", "layout.sequence_parallel=true")),
+    "dp2-tp2": (4, "tiny", ("layout.dp=2", "layout.tp=2")),  # bucket counting, no finalizer deferral
+    "dp2-tp2-zero3": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=3")),  # gather/free around use
+    "dp2-tp2-zero3-sp": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=3", "layout.sequence_parallel=true")),
+    "pp2-tp2-1f1b": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=1f1b")),
+    "pp2-tp2-sp-zb-h1": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=zb-h1",
+                                     "layout.sequence_parallel=true")),
+    "pp2-tp2-zb-h1": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=zb-h1")),
+    "dp2-pp2-tp2-zero1-sp-zb-h1": (8, "tiny", ("layout.dp=2", "layout.pp=2", "layout.tp=2", "layout.zero=1",
+                                               "layout.sequence_parallel=true", "layout.grad_accum=4",
+                                               "layout.pp_schedule=zb-h1")),
+    "pp2-vpp2-tp2-interleaved": (4, "tiny", ("layout.pp=2", "layout.vpp=2", "layout.tp=2", "layout.grad_accum=4",
+                                             "layout.pp_schedule=interleaved")),
     "tp2-sp-recompute-full": (2, "tiny", ("layout.tp=2", "layout.sequence_parallel=true", "layout.recompute=full")),
 }
 
@@ -184,7 +218,7 @@ def test_overlapped_tp_backward_is_bitwise_the_plain_one(pools, reference, case)
     """layout.tp_overlap computes the column layers' weight gradients while the input gradient's
     all-reduce / reduce-scatter travels: the same operations in another order, so losses, grad
     norms and every parameter equal those without overlap bitwise, and the single process's
-    within the parity tolerances; tp moves the same bytes."""
+    within the parity tolerances; every axis moves the same bytes."""
     from fivefold.tools.parity import assert_parity
 
     world, preset, overrides = OVERLAP_CASES[case]
@@ -195,6 +229,27 @@ def test_overlapped_tp_backward_is_bitwise_the_plain_one(pools, reference, case)
     assert all(torch.equal(overlapped.params[n], plain.params[n]) for n in plain.params)
     assert overlapped_bytes == plain_bytes
     assert_parity(reference(config, STEPS), overlapped)
+
+
+def test_overlap_under_compile_is_bitwise_the_plain_compiled_run(pools, reference):
+    """train.compile with layout.tp_overlap: the deferred linears break the compiled block's
+    graph (their backward leaves work in a list, which dynamo does not trace) and run
+    eagerly; the result is bitwise the compiled run without overlap and matches the eager
+    single process. One pool call per run, so each compilation gets the pool's full timeout;
+    the shapes of tests/test_compile.py's tp case, whose graphs inductor has cached."""
+    import dataclasses
+
+    from fivefold.tools.parity import assert_parity, with_layout
+
+    from helpers import trace_on_rank
+
+    config = load_config("tiny", ["train.seq_len=16", "train.compile=true", "layout.tp=2", "layout.sequence_parallel=true"])
+    plain = pools.run(2, trace_on_rank, config, STEPS)[0]
+    overlapped = pools.run(2, trace_on_rank, with_layout(config, tp_overlap=True), STEPS)[0]
+    assert overlapped.losses == plain.losses and overlapped.grad_norms == plain.grad_norms
+    assert all(torch.equal(overlapped.params[n], plain.params[n]) for n in plain.params)
+    eager = config.replace(train=dataclasses.replace(config.train, compile=False))
+    assert_parity(reference(eager, STEPS), overlapped)
 
 
 DP_REASON = "fivefold.parallel.data_parallel is not importable yet (data parallel / ZeRO land separately)"

@@ -33,15 +33,21 @@ def weight_grad(item: PendingWeightGrad) -> torch.Tensor:
 class _DeferredLinear(torch.autograd.Function):
     """y = x W^T whose backward returns dx and appends (W, x, dy) to `pending`.
 
-    The weight enters detached (its value) and by reference: the input-gradient backward
-    never reaches the weight's gradient accumulator; whoever owns `pending` does, later.
+    Only the weight's value (detached) is an input; the parameter itself travels in a
+    one-element tuple, which autograd does not see. Were it an input, backward would return
+    None for it and autograd would still run its gradient accumulator, whose
+    post-accumulate-grad hooks fire with no gradient: data parallel and ZeRO count such a
+    call as the gradient's arrival, so every deferred weight was counted twice, once before
+    its gradient existed, and its bucket was reduced (ZeRO-3: its parameters freed, while the
+    region's other column layers still needed them) too early. Whoever owns `pending` hands
+    the parameter its gradient later.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight_value: torch.Tensor, weight: torch.Tensor,
+    def forward(ctx, x: torch.Tensor, weight_value: torch.Tensor, weight: tuple[torch.Tensor],
                 pending: list[PendingWeightGrad]):
         ctx.save_for_backward(x, weight_value)
-        ctx.weight, ctx.pending = weight, pending
+        ctx.weight, ctx.pending = weight[0], pending
         return F.linear(x, weight_value)
 
     @staticmethod
@@ -49,6 +55,16 @@ class _DeferredLinear(torch.autograd.Function):
         x, weight_value = ctx.saved_tensors
         ctx.pending.append(PendingWeightGrad(ctx.weight, x, dy))
         return dy.matmul(weight_value.to(dy.dtype)), None, None, None
+
+
+def _value_of(weight: torch.Tensor, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight's value as an autograd leaf of its own. It requires grad only when x does
+    not, so that the output still does and backward reaches the deferred node; its own
+    (None) gradient goes nowhere."""
+    value = weight.detach() if dtype is None else weight.detach().to(dtype)
+    if not x.requires_grad:
+        value = value.detach().requires_grad_()
+    return value
 
 
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, pending: list[PendingWeightGrad]) -> torch.Tensor:
@@ -60,5 +76,5 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, pending: list[Pending
     if torch.is_autocast_enabled(device):  # cast as autocast would, then multiply without it
         dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
-            return _DeferredLinear.apply(x.to(dtype), weight.detach().to(dtype), weight, pending)
-    return _DeferredLinear.apply(x, weight.detach(), weight, pending)
+            return _DeferredLinear.apply(x.to(dtype), _value_of(weight, x, dtype), (weight,), pending)
+    return _DeferredLinear.apply(x, _value_of(weight, x), (weight,), pending)

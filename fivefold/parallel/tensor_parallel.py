@@ -34,8 +34,13 @@ column layers' weight gradients dW = dy^T x need only their own x and dy. With o
 column layers hand (x, dy) to their region's entry instead of computing dW, and the entry
 starts its collective asynchronously, computes the region's dW while it travels, then waits
 (Megatron's asynchronous grad-input communication). Same operations, so the same bits; only
-the order changes. Whether it pays depends on whether communication and matmuls use
-different resources (`benchmarks/bench_tp.py --probe` measures it).
+the order changes. The entry returns the weight gradients from its own backward (the column
+weights are its inputs), so they are accumulated within the one backward pass like every
+other gradient: data parallel's and ZeRO's bucket counting, ZeRO-3's freeing of a block's
+gathered parameters once all its gradients are in, and the zero-bubble pipeline's B (which
+then holds them for W) work unchanged. Under train.compile the deferred linears run eagerly
+between the block's compiled graphs. Whether it pays depends on whether communication and
+matmuls use different resources (`benchmarks/bench_tp.py --probe` measures it).
 
 Design choices:
 - MoE under sequence parallel gathers the tokens before the block and reduce-scatters after
@@ -129,24 +134,36 @@ def backward_on_first_rank(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
 @dataclass
 class PendingWeightGrads:
-    """The weight gradients a region's column-parallel layers left for the region's entry.
+    """The weight gradients a region's column-parallel layers leave for the region's entry.
 
-    One per region (or per layer that enters on its own). Backward reaches the column layers
-    of one micro-batch's region, then its entry: each layer leaves (weight, x, dy) in `items`
+    One per region (or per layer that enters on its own). Each column layer names its weight
+    in `weights` when the plan is applied. Backward reaches the column layers of one
+    micro-batch's region, then its entry: each layer leaves (weight, x, dy) in `items`
     (parallel/deferred.py), the entry computes them while its input gradient travels.
     """
 
+    weights: list[ParamRef] = field(default_factory=list)
     items: list[PendingWeightGrad] = field(default_factory=list)
 
-    def apply(self) -> None:
-        """dW = dy^T x for every pending layer, accumulated by autograd (so gradient hooks,
-        e.g. data parallel's bucket reduction, fire as for any other gradient)."""
-        if not self.items:
-            return
-        weights = [item.weight for item in self.items]
-        grads = [weight_grad(item).to(item.weight.dtype) for item in self.items]
+    def trainable_weights(self) -> list[torch.Tensor]:
+        """The layers' weights that want a gradient, resolved now (materialisation and ZeRO
+        replace parameter objects after the plan is applied)."""
+        return [w for w in _resolve(self.weights) if w.requires_grad]
+
+    def take(self, weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """dW = dy^T x for each of `weights` (summed over its uses), in the weight's dtype;
+        the items are dropped."""
+        grads: dict[int, torch.Tensor] = {}
+        for item in self.items:
+            dw = weight_grad(item).to(item.weight.dtype)
+            key = id(item.weight)
+            grads[key] = dw if key not in grads else grads[key] + dw
         self.items.clear()
-        torch.autograd.backward(weights, grads)
+        missing = [i for i, w in enumerate(weights) if id(w) not in grads]
+        if missing or len(grads) != len(weights):
+            raise RuntimeError(f"a tensor-parallel region's column layers left {len(grads)} weight gradients "
+                               f"for {len(weights)} weights; every column layer of a region must run in its forward")
+        return [grads[id(w)] for w in weights]
 
 
 class _OverlappedEntry(torch.autograd.Function):
@@ -154,15 +171,20 @@ class _OverlappedEntry(torch.autograd.Function):
     column-parallel layers' weight-gradient matmuls (Megatron's asynchronous grad-input
     communication).
 
-    Forward: all-gather along the sequence (sequence parallel) or identity. Backward: start
-    the reduce-scatter (or all-reduce) of dx asynchronously, compute the region's pending
-    dW = dy^T x while it is on the wire, then wait. dW needs only the layers' own x and dy,
-    never the reduced dx: that is the data dependence the overlap uses.
+    Forward: all-gather along the sequence (sequence parallel) or identity; the region's
+    column weights are inputs too (their values unused), so that the weight gradients leave
+    this node's backward like any other gradient: autograd accumulates them within the same
+    backward pass (data parallel's and ZeRO's hooks and end-of-backward callbacks see one
+    backward, and a backward that asks for gradients, like the zero-bubble pipeline's B,
+    gets them). Backward: start the reduce-scatter (or all-reduce) of dx asynchronously,
+    compute the region's pending dW = dy^T x while it is on the wire, then wait. dW needs
+    only the layers' own x and dy, never the reduced dx: that is the data dependence the
+    overlap uses.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, axis: Axis, layout: str, pending: PendingWeightGrads):
-        ctx.axis, ctx.layout, ctx.pending = axis, layout, pending
+    def forward(ctx, x: torch.Tensor, axis: Axis, layout: str, pending: PendingWeightGrads, *weights: torch.Tensor):
+        ctx.axis, ctx.layout, ctx.pending, ctx.weights = axis, layout, pending, weights
         if layout == "sequence":
             return comm.all_gather(x, axis, dim=SEQ_DIM).contiguous()
         return x.view_as(x)
@@ -175,11 +197,12 @@ class _OverlappedEntry(torch.autograd.Function):
         else:
             reduced = grad.contiguous().clone()
             work = comm.all_reduce(reduced, axis, async_op=True)
-        ctx.pending.apply()
+        weight_grads = ctx.pending.take(ctx.weights)
+        ctx.weights = ()
         work.wait()
         if ctx.layout == "sequence":
             reduced = reduced.transpose(0, 1)
-        return reduced, None, None, None
+        return (reduced, None, None, None, *weight_grads)
 
 
 def overlapped_region_input(x: torch.Tensor, axis: Axis, layout: str, pending: PendingWeightGrads) -> torch.Tensor:
@@ -188,10 +211,14 @@ def overlapped_region_input(x: torch.Tensor, axis: Axis, layout: str, pending: P
         return region_input(x, axis, layout)
     if layout not in ("replicated", "sequence"):
         raise ValueError(f"unknown input layout {layout!r}")
-    return _OverlappedEntry.apply(x, axis, layout, pending)
+    return _OverlappedEntry.apply(x, axis, layout, pending, *pending.trainable_weights())
 
 
 # ----------------------------------------------------------------------------- parallel layers
+
+# Under train.compile a deferred linear cannot be part of a graph (its backward leaves work in
+# a Python list): marked eager, dynamo breaks the graph there without first trying to trace it.
+_eager_deferred_linear = torch.compiler.disable(deferred_linear)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -206,12 +233,14 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.axis, self.input_layout, self.pending = axis, input_layout, pending
         self.weight = nn.Parameter(torch.empty(out_local, in_features, device=device))
+        if pending is not None:
+            pending.weights.append((self, "weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pending is None:
             return F.linear(region_input(x, self.axis, self.input_layout), self.weight)  # (B, T, out/tp)
         x = overlapped_region_input(x, self.axis, self.input_layout, self.pending)
-        return deferred_linear(x, self.weight, self.pending.items)
+        return _eager_deferred_linear(x, self.weight, self.pending.items)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out_local={self.weight.shape[0]}, input={self.input_layout}"
