@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 
 from fivefold.config import Layout
@@ -187,47 +188,51 @@ def _sharded_collectives(ctx, emulate: bool) -> dict[str, bool]:
     """comm's reduce-scatter and all-gather into caller-owned buffers against torch's own, on
     values with signed zeros, NaN and infinities: True where the bits agree. With `emulate`
     false the backend's native collectives run (as NCCL's would); with it true, gloo's
-    emulation (in-place all-reduce, one broadcast per rank)."""
+    emulation (two ranks: an exchange of halves; more: an in-place all-reduce; all-gathers
+    by one broadcast per rank)."""
     import torch.distributed as dist
 
     from fivefold.parallel import comm
 
-    dp = ctx.mesh(Layout(dp=2)).dp
+    n = ctx.world_size
+    dp = ctx.mesh(Layout(dp=n)).dp
+    m = 1000 // n
     torch.manual_seed(ctx.rank)
     full = torch.randn(1000)
     full[:4] = torch.tensor([-0.0, 0.0, float("nan"), float("inf")])
-    expected = torch.empty(500)
+    expected = torch.empty(m)
     dist.reduce_scatter_tensor(expected, full.clone(), group=dp.group)
     gathered_expected = torch.empty(1000)
-    dist.all_gather_into_tensor(gathered_expected, full[:500].clone(), group=dp.group)
-    lo, hi = 500 * dp.rank, 500 * (dp.rank + 1)
+    dist.all_gather_into_tensor(gathered_expected, full[:m].clone(), group=dp.group)
+    lo, hi = m * dp.rank, m * (dp.rank + 1)
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
     with mock.patch.object(comm, "_emulates_sharded_collectives", lambda axis: emulate):
-        out, scratch = torch.empty(500), full.clone()
+        out, scratch = torch.empty(m), full.clone()
         comm.reduce_scatter_into(out, scratch, dp, overwrite_input=True)
         in_place = full.clone()
         comm.reduce_scatter_into(in_place[lo:hi], in_place, dp, async_op=True, overwrite_input=True).wait()
-        kept = full.clone()
-        comm.reduce_scatter_into(torch.empty(500), kept, dp)
+        kept, kept_out = full.clone(), torch.empty(m)
+        comm.reduce_scatter_into(kept_out, kept, dp, async_op=True).wait()
         gathered = torch.empty(1000)
-        comm.all_gather_into(gathered, full[:500].clone(), dp)
+        comm.all_gather_into(gathered, full[:m].clone(), dp)
         own = torch.empty(1000)
-        own[lo:hi] = full[:500]
+        own[lo:hi] = full[:m]
         comm.all_gather_into(own, own[lo:hi], dp, async_op=True).wait()
     return {
         "reduce_scatter_into": same(out, expected),
         "in place": same(in_place[lo:hi], expected),
-        "input kept without overwrite_input": same(kept, full),
+        "without overwrite_input": same(kept_out, expected) and same(kept, full),
         "all_gather_into": same(gathered, gathered_expected),
         "all_gather_into in place": same(own, gathered_expected),
     }
 
 
-def test_sharded_collectives_match_torch_bit_for_bit_on_either_path(pools):
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_collectives_match_torch_bit_for_bit_on_either_path(pools, world):
     """The gloo emulation and the native path give torch's reduce-scatter and all-gather bits."""
     for emulate in (False, True):
-        for rank, checks in enumerate(pools.run(2, _sharded_collectives, emulate)):
-            assert all(checks.values()), (emulate, rank, checks)
+        for rank, checks in enumerate(pools.run(world, _sharded_collectives, emulate)):
+            assert all(checks.values()), (world, emulate, rank, checks)

@@ -235,8 +235,12 @@ def reduce_scatter_into(
     For callers that own the destination (ZeRO lands a gradient shard in its own storage);
     `out` may be this rank's slice of `full` (in place). Returns the work handle when async.
     `overwrite_input`: the caller no longer needs `full`'s other slices, so the collective may
-    leave anything there (on gloo, which has no reduce-scatter of its own, they then hold the
-    sum too: `full` is all-reduced in place instead of through a clone).
+    leave anything there.
+
+    gloo has no reduce-scatter of its own (torch's clones `full`, all-reduces the clone and
+    copies the slice out), so on gloo: two ranks swap halves and add (half an all-reduce's
+    bytes); more ranks all-reduce `full` in place when it may be overwritten. Either gives the
+    all-reduce's sum bit for bit (for two ranks it is one addition, which commutes).
     """
     n = axis.size
     if full.numel() != n * out.numel():
@@ -246,20 +250,51 @@ def reduce_scatter_into(
             out.copy_(full.reshape(out.shape))
         return None
     record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
+    if _emulates_sharded_collectives(axis) and n == 2:
+        return _reduce_scatter_by_exchange(out, full, axis, record, async_op)
     if overwrite_input and _emulates_sharded_collectives(axis):
-        # gloo's reduce-scatter all-reduces a clone of `full`; the caller gives `full` up, so
-        # all-reduce it in place (the same sum, bit for bit) and take this rank's slice.
         work = _landed(axis, record, dist.all_reduce(full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op))
         own = full.view(-1).chunk(n)[axis.rank]
         if own.data_ptr() == out.data_ptr():
             return work
-        copy_out = lambda: out.copy_(own.reshape(out.shape))  # noqa: E731
-        if work is None:
-            copy_out()
-            return None
-        return _FinishOnWait(work, copy_out)
+        return _then(work, lambda: out.copy_(own.reshape(out.shape)))
     work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
     return _landed(axis, record, work)
+
+
+def _reduce_scatter_by_exchange(
+    out: torch.Tensor, full: torch.Tensor, axis: Axis, record: CollectiveRecord, async_op: bool
+) -> Any:
+    """Two ranks: send the peer its half of `full`, receive the peer's copy of ours, add.
+
+    Reads `full` only. The tag is the collective's sequence number on the axis (the same on
+    both ranks), so two exchanges in flight never take each other's messages."""
+    halves = full.view(-1).chunk(2)
+    own, theirs = halves[axis.rank], halves[1 - axis.rank]
+    received = torch.empty_like(own)
+    peer, tag = axis.global_rank(1 - axis.rank), record.seq % (1 << 31)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, theirs, peer, group=axis.group, tag=tag),
+        dist.P2POp(dist.irecv, received, peer, group=axis.group, tag=tag),
+    ])
+    flat_out = out.view(-1)
+
+    def add() -> None:
+        if flat_out.data_ptr() == own.data_ptr():
+            own.add_(received)
+        else:
+            torch.add(own, received, out=flat_out)
+
+    return _then(_landed(axis, record, _waited_together(works, async_op)), add)
+
+
+def _then(work: Any, step: Callable[[], object]) -> Any:
+    """Run `step` after the collective: now when it was blocking (`work` None), else in the
+    handle's first wait."""
+    if work is None:
+        step()
+        return None
+    return _FinishOnWait(work, step)
 
 
 def broadcast(tensor: torch.Tensor, axis: Axis, src_group_rank: int = 0) -> torch.Tensor:
