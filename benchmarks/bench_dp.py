@@ -196,7 +196,8 @@ def floor_cases(config: Config, sampler: Sampler) -> dict[str, Callable[[], None
     """The real data-parallel steps beside their parts alone: each rank's forward + backward +
     clip + fused AdamW on its local batch with no collective at all (every parameter, or the
     half a ZeRO-1 rank updates), and the bare collectives of the gradients' bytes."""
-    cases = {name: make_case(name, config, sampler) for name in ("torch-ddp", "fivefold-dp", "torch-zero1", "fivefold-zero1")}
+    steps = ("torch-ddp", "fivefold-dp", "torch-zero1", "fivefold-zero1")
+    cases = {name: make_case(name, config, sampler) for name in steps}
     for name, share in (("compute", 1.0), ("compute-zero1", 1.0 / dist.get_world_size())):
         model = build_model(config.model, config.train.seed)
         opt = adamw(leading_share(list(model.parameters()), share), config)

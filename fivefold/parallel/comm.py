@@ -189,7 +189,8 @@ def all_gather_into(out: torch.Tensor, local: torch.Tensor, axis: Axis, async_op
         return None
     record = _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
     if not _emulates_sharded_collectives(axis):
-        return _landed(axis, record, dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op))
+        work = dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op)
+        return _landed(axis, record, work)
     # gloo gathers through a fresh flat temporary and copies it into `out`; one broadcast per
     # rank straight into its slice of `out` moves the same bytes and copies nothing.
     slices = out.view(-1).chunk(n)
