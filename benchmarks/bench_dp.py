@@ -14,7 +14,16 @@ stages are also compared with fivefold's plain data parallel, in wall time and i
 step (all threads of the process: compute, gloo's, copies), which a loaded machine disturbs less.
 
 `--collectives` times bare gloo collectives instead, on one flat buffer of the model's
-gradient size, alternating: all-reduce, reduce-scatter and all-gather of the same bytes.
+gradient size, alternating: all-reduce, reduce-scatter and all-gather of the same bytes, torch's
+and fivefold's (comm.py, as ZeRO calls them).
+
+`--floor` times torch DDP, ZeroRedundancyOptimizer and fivefold's dp and ZeRO-1 beside the
+parts of a step alone: each rank's forward + backward + clip + fused AdamW on its local batch
+with no collective (all parameters, or one ZeRO-1 shard's worth), and the bare collectives of
+the gradients' bytes. It prints the largest ratio any implementation could reach against each
+peer on this machine: the peer's step over the compute alone.
+
+Every torch peer runs torch's fused AdamW (`fused=True`), the kernel kind fivefold runs.
 """
 
 from __future__ import annotations
@@ -84,9 +93,15 @@ def peer_step(config: Config, sampler: Sampler, model, optimizer, clip: Callable
     return step
 
 
-def adamw(params, config: Config) -> torch.optim.Optimizer:
+def adamw_settings(config: Config) -> dict:
+    """torch.optim.AdamW's arguments for the run's settings. `fused=True`: the peers run torch's
+    fused kernel, the kind fivefold runs (on CPU torch's default is the slower single-tensor loop)."""
     t = config.train
-    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+    return {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "weight_decay": t.weight_decay, "fused": True}
+
+
+def adamw(params, config: Config) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, **adamw_settings(config))
 
 
 def torch_ddp_case(config: Config, sampler: Sampler, zero1: bool) -> Callable[[], None]:
@@ -96,10 +111,7 @@ def torch_ddp_case(config: Config, sampler: Sampler, zero1: bool) -> Callable[[]
     model = DDP(build_model(config.model, config.train.seed), bucket_cap_mb=25, gradient_as_bucket_view=True)
     t = config.train
     if zero1:
-        opt = ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=torch.optim.AdamW, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-            weight_decay=t.weight_decay,
-        )
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw_settings(config))
     else:
         opt = adamw(model.parameters(), config)
     clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)  # noqa: E731
@@ -163,13 +175,51 @@ def cpu_timed(step: Callable[[], None], record: list[tuple[float, int]]) -> Call
 
 
 def collective_cases(numel: int) -> dict[str, Callable[[], None]]:
-    """Bare gloo collectives over the same bytes: what ZeRO pays for each reduction it runs."""
+    """Bare collectives over the same bytes: torch's, and fivefold's as ZeRO calls them (in
+    place, on a buffer it gives up: on gloo an in-place all-reduce and one broadcast per rank)."""
+    from fivefold.config import Layout
+    from fivefold.parallel import comm
+
+    axis = Mesh.build(Layout(dp=dist.get_world_size()))["dp"]
     full, shard = torch.randn(numel), torch.empty(numel // dist.get_world_size())
+    own = full.chunk(dist.get_world_size())[dist.get_rank()]
     return {
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
         "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+        "fivefold-reduce_scatter": lambda: comm.reduce_scatter_into(own, full, axis, overwrite_input=True),
+        "fivefold-all_gather": lambda: comm.all_gather_into(full, own, axis),
     }
+
+
+def floor_cases(config: Config, sampler: Sampler) -> dict[str, Callable[[], None]]:
+    """The real data-parallel steps beside their parts alone: each rank's forward + backward +
+    clip + fused AdamW on its local batch with no collective at all (every parameter, or the
+    half a ZeRO-1 rank updates), and the bare collectives of the gradients' bytes."""
+    steps = ("torch-ddp", "fivefold-dp", "torch-zero1", "fivefold-zero1")
+    cases = {name: make_case(name, config, sampler) for name in steps}
+    for name, share in (("compute", 1.0), ("compute-zero1", 1.0 / dist.get_world_size())):
+        model = build_model(config.model, config.train.seed)
+        opt = adamw(leading_share(list(model.parameters()), share), config)
+        clip = lambda m=model: torch.nn.utils.clip_grad_norm_(m.parameters(), config.train.grad_clip)  # noqa: E731
+        cases[name] = peer_step(config, sampler, model, opt, clip)
+    numel = sum(p.numel() for p in build_model(config.model, config.train.seed).parameters())
+    collectives = collective_cases(numel - numel % dist.get_world_size())
+    cases["all_reduce"] = collectives["all_reduce"]
+    rs, ag = collectives["fivefold-reduce_scatter"], collectives["fivefold-all_gather"]
+    cases["reduce_scatter+all_gather"] = lambda: (rs(), ag())
+    return cases
+
+
+def leading_share(params: list[torch.nn.Parameter], share: float) -> list[torch.nn.Parameter]:
+    """The first parameters holding `share` of all elements (what one ZeRO-1 rank updates)."""
+    total, taken, out = sum(p.numel() for p in params), 0, []
+    for p in params:
+        if taken >= share * total:
+            break
+        out.append(p)
+        taken += p.numel()
+    return out
 
 
 def optimizer_cases(config: Config) -> dict[str, Callable[[], None]]:
@@ -228,6 +278,8 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated cases to leave out (e.g. DeepSpeed's)")
     parser.add_argument("--collectives", action="store_true", help="time bare gloo collectives of the model's bytes")
     parser.add_argument("--optimizer", action="store_true", help="time one AdamW step: fivefold's against torch's")
+    parser.add_argument("--floor", action="store_true",
+                        help="the dp and ZeRO-1 steps against their floor (compute alone, collectives alone)")
     parser.add_argument("--json", default="runs/bench/dp.json")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.global_batch=8")
     args = parser.parse_args()
@@ -236,8 +288,8 @@ def main() -> None:
     config = load_config("small", args.overrides)
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
-    if args.collectives or args.optimizer:
-        run_micro_benchmark(args, config)
+    if args.collectives or args.optimizer or args.floor:
+        run_micro_benchmark(args, config, sampler)
         dist.destroy_process_group()
         return
     skipped = set(filter(None, args.skip.split(",")))
@@ -253,9 +305,14 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def run_micro_benchmark(args, config: Config) -> None:
-    """--collectives or --optimizer: alternate the cases on every rank, rank 0 reports."""
-    if args.collectives:
+def run_micro_benchmark(args, config: Config, sampler: Sampler) -> None:
+    """--collectives, --optimizer or --floor: alternate the cases on every rank, rank 0 reports."""
+    if args.floor:
+        with contextlib.redirect_stdout(sys.stderr if dist.get_rank() else sys.stdout):
+            cases = floor_cases(config, sampler)
+        baseline = "compute"
+        title, meta = "data-parallel steps against their floor (dp=2, gloo, small)", {}
+    elif args.collectives:
         numel = sum(p.numel() for p in build_model(config.model, config.train.seed).parameters())
         numel -= numel % dist.get_world_size()
         cases, baseline = collective_cases(numel), "all_reduce"
@@ -269,9 +326,48 @@ def run_micro_benchmark(args, config: Config) -> None:
     keep_cpu_records(results, cpu, args.warmup)
     if dist.get_rank() == 0:
         comparison = bench.compare(title, results, baseline, meta)
+        if args.floor:
+            comparison.meta["attainable"] = attainable_ratios(results)
         bench.print_table(comparison)
         print_cpu(results)
+        if args.floor:
+            print_attainable(comparison.meta["attainable"])
         print(f"written {bench.write_json([comparison], args.json)}")
+
+
+FLOORS = {  # peer: (its fivefold counterpart, the compute alone, the collectives alone)
+    "torch-ddp": ("fivefold-dp", "compute", "all_reduce"),
+    "torch-zero1": ("fivefold-zero1", "compute-zero1", "reduce_scatter+all_gather"),
+}
+
+
+def attainable_ratios(results: dict) -> dict[str, dict[str, float]]:
+    """Per peer, medians over rounds (each round's cases ran side by side) of the peer's step
+    over: fivefold's step (the measured ratio); the compute alone (the most any implementation
+    could beat the peer by, were every collective hidden for free); the compute plus the bare
+    collectives (the same with nothing hidden)."""
+    def median_ratio(peer: list[float], *parts: list[float]) -> float:
+        return statistics.median(p / sum(ts) for p, *ts in zip(peer, *parts))
+
+    out = {}
+    for peer, (ours, compute, collectives) in FLOORS.items():
+        for unit, key in (("", None), ("cpu_", "cpu_seconds")):
+            t = {n: results[n].extra[key] if key else results[n].seconds for n in (peer, ours, compute, collectives)}
+            out.setdefault(peer, {}).update({
+                f"{unit}measured": median_ratio(t[peer], t[ours]),
+                f"{unit}attainable_all_hidden": median_ratio(t[peer], t[compute]),
+                f"{unit}attainable_nothing_hidden": median_ratio(t[peer], t[compute], t[collectives]),
+            })
+    return out
+
+
+def print_attainable(attainable: dict[str, dict[str, float]]) -> None:
+    for peer, r in attainable.items():
+        ours = FLOORS[peer][0]
+        for unit, what in (("", "wall time"), ("cpu_", "CPU time")):
+            print(f"{peer} / {ours} in {what}: measured {r[unit + 'measured']:.3f}; attainable at most "
+                  f"{r[unit + 'attainable_all_hidden']:.3f} (peer / compute alone, every collective hidden for free), "
+                  f"{r[unit + 'attainable_nothing_hidden']:.3f} with nothing hidden (peer / (compute + collectives))")
 
 
 def keep_cpu_records(results: dict, cpu: dict[str, list[tuple[float, int]]], warmup: int) -> None:
@@ -303,7 +399,10 @@ def report(args, config: Config, results: dict) -> None:
             continue
         subset = {n: results[n] for n in [ours, *peers]}
         comparison = bench.compare(f"{ours} vs {', '.join(peers)} (dp=2, gloo, small)", subset, ours, meta)
+        comparison.meta["cpu_ratio"] = cpu_ratios(subset, ours)
         bench.print_table(comparison)
+        print(f"CPU time per step vs {ours} (median per-round ratio): "
+              + ", ".join(f"{n} {r:.3f}" for n, r in comparison.meta["cpu_ratio"].items()))
         comparisons.append(comparison)
     stages = [n for n in ("fivefold-dp", "fivefold-zero1", "fivefold-zero2", "fivefold-zero3") if n in results]
     if "fivefold-dp" in stages and len(stages) > 1:

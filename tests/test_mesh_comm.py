@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 
 from fivefold.config import Layout
@@ -100,6 +101,9 @@ def _async_collectives(ctx, signal_dir: str) -> dict[str, list[torch.Tensor]]:
         "all_gather": lambda: comm.all_gather(x, tp, dim=1, async_op=True),
         "reduce_scatter_avg": lambda: comm.reduce_scatter(x, tp, dim=1, op="avg", async_op=True),
         "all_reduce_avg": lambda: (reduced, comm.all_reduce(reduced, tp, op="avg", async_op=True)),
+        "reduce_scatter_overwrite_avg": lambda: comm.reduce_scatter(
+            x.t().contiguous(), tp, op="avg", async_op=True, overwrite_input=True),
+        "all_gather_into": lambda: _gather_into(comm, x.flatten(), tp),
     }
     results = {}
     for name, issue in calls.items():
@@ -116,6 +120,11 @@ def _async_collectives(ctx, signal_dir: str) -> dict[str, list[torch.Tensor]]:
     return results
 
 
+def _gather_into(comm, local: torch.Tensor, axis) -> tuple[torch.Tensor, object]:
+    out = torch.empty(axis.size * local.numel())
+    return out, comm.all_gather_into(out, local, axis, async_op=True)
+
+
 def test_async_collectives_return_before_the_collective_completes(pools, tmp_path):
     """async_op=True never waits inside, also along dim 1 and for averages; one wait finishes."""
     base = torch.arange(12.0).reshape(2, 6)
@@ -124,6 +133,8 @@ def test_async_collectives_return_before_the_collective_completes(pools, tmp_pat
             "all_gather": torch.cat([base, 2 * base], dim=1),
             "reduce_scatter_avg": (1.5 * base)[:, 3 * rank : 3 * rank + 3],
             "all_reduce_avg": 1.5 * base,
+            "reduce_scatter_overwrite_avg": (1.5 * base).t()[3 * rank : 3 * rank + 3],
+            "all_gather_into": torch.cat([base.flatten(), 2 * base.flatten()]),
         }
         for name, (once, twice) in results.items():
             assert torch.equal(once, expected[name]), (rank, name, once)
@@ -171,3 +182,57 @@ def _autograd_pairs(ctx):
 def test_autograd_pairs_are_adjoint(pools):
     for name, (forward_dot, backward_dot) in pools.run(2, _autograd_pairs)[0].items():
         assert abs(forward_dot - backward_dot) < 1e-9, name
+
+
+def _sharded_collectives(ctx, emulate: bool) -> dict[str, bool]:
+    """comm's reduce-scatter and all-gather into caller-owned buffers against torch's own, on
+    values with signed zeros, NaN and infinities: True where the bits agree. With `emulate`
+    false the backend's native collectives run (as NCCL's would); with it true, gloo's
+    emulation (two ranks: an exchange of halves; more: an in-place all-reduce; all-gathers
+    by one broadcast per rank)."""
+    import torch.distributed as dist
+
+    from fivefold.parallel import comm
+
+    n = ctx.world_size
+    dp = ctx.mesh(Layout(dp=n)).dp
+    m = 1000 // n
+    torch.manual_seed(ctx.rank)
+    full = torch.randn(1000)
+    full[:4] = torch.tensor([-0.0, 0.0, float("nan"), float("inf")])
+    expected = torch.empty(m)
+    dist.reduce_scatter_tensor(expected, full.clone(), group=dp.group)
+    gathered_expected = torch.empty(1000)
+    dist.all_gather_into_tensor(gathered_expected, full[:m].clone(), group=dp.group)
+    lo, hi = m * dp.rank, m * (dp.rank + 1)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+    with mock.patch.object(comm, "_emulates_sharded_collectives", lambda axis: emulate):
+        out, scratch = torch.empty(m), full.clone()
+        comm.reduce_scatter_into(out, scratch, dp, overwrite_input=True)
+        in_place = full.clone()
+        comm.reduce_scatter_into(in_place[lo:hi], in_place, dp, async_op=True, overwrite_input=True).wait()
+        kept, kept_out = full.clone(), torch.empty(m)
+        comm.reduce_scatter_into(kept_out, kept, dp, async_op=True).wait()
+        gathered = torch.empty(1000)
+        comm.all_gather_into(gathered, full[:m].clone(), dp)
+        own = torch.empty(1000)
+        own[lo:hi] = full[:m]
+        comm.all_gather_into(own, own[lo:hi], dp, async_op=True).wait()
+    return {
+        "reduce_scatter_into": same(out, expected),
+        "in place": same(in_place[lo:hi], expected),
+        "without overwrite_input": same(kept_out, expected) and same(kept, full),
+        "all_gather_into": same(gathered, gathered_expected),
+        "all_gather_into in place": same(own, gathered_expected),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_collectives_match_torch_bit_for_bit_on_either_path(pools, world):
+    """The gloo emulation and the native path give torch's reduce-scatter and all-gather bits."""
+    for emulate in (False, True):
+        for rank, checks in enumerate(pools.run(world, _sharded_collectives, emulate)):
+            assert all(checks.values()), (world, emulate, rank, checks)

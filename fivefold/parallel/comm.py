@@ -78,6 +78,37 @@ def _landed(axis: Axis, record: CollectiveRecord, work: Any) -> Any:
     return None if work is None else _RecordedWork(work, record, axis)
 
 
+def _emulates_sharded_collectives(axis: Axis) -> bool:
+    """True where the backend has no reduce-scatter or all-gather worth calling (gloo: its
+    reduce-scatter clones the input and all-reduces the clone, its all-gather goes through a
+    fresh temporary); NCCL and others keep their native collectives."""
+    return dist.get_backend(axis.group) == dist.Backend.GLOO
+
+
+class _AllOf:
+    """One handle for several async collectives that together make one operation."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, *args: Any) -> bool:
+        for work in self._works:
+            work.wait(*args)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def _waited_together(works: list[Any], async_op: bool) -> Any:
+    """The works as one handle when async; otherwise wait for them now (returns None)."""
+    if async_op:
+        return _AllOf(works)
+    for work in works:
+        work.wait()
+    return None
+
+
 # ----------------------------------------------------------------------------- plain collectives
 
 
@@ -157,15 +188,29 @@ def all_gather_into(out: torch.Tensor, local: torch.Tensor, axis: Axis, async_op
         out.copy_(local.reshape(out.shape))
         return None
     record = _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
-    return _landed(axis, record, dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op))
+    if not _emulates_sharded_collectives(axis):
+        work = dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op)
+        return _landed(axis, record, work)
+    # gloo gathers through a fresh flat temporary and copies it into `out`; one broadcast per
+    # rank straight into its slice of `out` moves the same bytes and copies nothing.
+    slices = out.view(-1).chunk(n)
+    own = slices[axis.rank]
+    if own.data_ptr() != local.data_ptr():
+        own.copy_(local.reshape(own.shape))
+    works = [dist.broadcast(s, src=axis.global_rank(i), group=axis.group, async_op=True) for i, s in enumerate(slices)]
+    return _landed(axis, record, _waited_together(works, async_op))
 
 
-def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "sum", async_op: bool = False):
+def reduce_scatter(
+    tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "sum", async_op: bool = False,
+    overwrite_input: bool = False,
+):
     """Sum (or average) `tensor` over the axis and keep this rank's 1/n shard along `dim`.
 
     Returns the shard, or (shard, handle) with `async_op`: the shard holds the result once the
     handle is waited on (for "avg" the division runs in that wait; handle None on an axis of
-    size 1), for any `dim`.
+    size 1), for any `dim`. `overwrite_input`: the caller discards `tensor` afterwards, so the
+    collective may change it (see `reduce_scatter_into`).
     """
     if axis.size == 1:
         return (tensor, None) if async_op else tensor
@@ -174,10 +219,7 @@ def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "su
     if full.shape[0] % n:
         raise ValueError(f"reduce_scatter on axis {axis.name}: dim size {full.shape[0]} not divisible by {n}")
     shard = torch.empty((full.shape[0] // n,) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device)
-    record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(shard))
-    work = _landed(
-        axis, record, dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
-    )
+    work = reduce_scatter_into(shard, full, axis, async_op=async_op, overwrite_input=overwrite_input)
     out = shard.movedim(0, dim)  # a view: filled by the collective, whenever it lands
     if op == "avg":
         if async_op:
@@ -186,11 +228,20 @@ def reduce_scatter(tensor: torch.Tensor, axis: Axis, dim: int = 0, op: str = "su
     return (out, work) if async_op else out
 
 
-def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False):
+def reduce_scatter_into(
+    out: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False, overwrite_input: bool = False
+):
     """Sum the flat `full` over the axis into the caller's flat buffer `out` (full.numel() / n).
 
     For callers that own the destination (ZeRO lands a gradient shard in its own storage);
     `out` may be this rank's slice of `full` (in place). Returns the work handle when async.
+    `overwrite_input`: the caller no longer needs `full`'s other slices, so the collective may
+    leave anything there.
+
+    gloo has no reduce-scatter of its own (torch's clones `full`, all-reduces the clone and
+    copies the slice out), so on gloo: two ranks swap halves and add (half an all-reduce's
+    bytes); more ranks all-reduce `full` in place when it may be overwritten. Either gives the
+    all-reduce's sum bit for bit (for two ranks it is one addition, which commutes).
     """
     n = axis.size
     if full.numel() != n * out.numel():
@@ -200,8 +251,51 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, axis: Axis, async
             out.copy_(full.reshape(out.shape))
         return None
     record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
+    if _emulates_sharded_collectives(axis) and n == 2:
+        return _reduce_scatter_by_exchange(out, full, axis, record, async_op)
+    if overwrite_input and _emulates_sharded_collectives(axis):
+        work = _landed(axis, record, dist.all_reduce(full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op))
+        own = full.view(-1).chunk(n)[axis.rank]
+        if own.data_ptr() == out.data_ptr():
+            return work
+        return _then(work, lambda: out.copy_(own.reshape(out.shape)))
     work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op)
     return _landed(axis, record, work)
+
+
+def _reduce_scatter_by_exchange(
+    out: torch.Tensor, full: torch.Tensor, axis: Axis, record: CollectiveRecord, async_op: bool
+) -> Any:
+    """Two ranks: send the peer its half of `full`, receive the peer's copy of ours, add.
+
+    Reads `full` only. The tag is the collective's sequence number on the axis (the same on
+    both ranks), so two exchanges in flight never take each other's messages."""
+    halves = full.view(-1).chunk(2)
+    own, theirs = halves[axis.rank], halves[1 - axis.rank]
+    received = torch.empty_like(own)
+    peer, tag = axis.global_rank(1 - axis.rank), record.seq % (1 << 31)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, theirs, peer, group=axis.group, tag=tag),
+        dist.P2POp(dist.irecv, received, peer, group=axis.group, tag=tag),
+    ])
+    flat_out = out.view(-1)
+
+    def add() -> None:
+        if flat_out.data_ptr() == own.data_ptr():
+            own.add_(received)
+        else:
+            torch.add(own, received, out=flat_out)
+
+    return _then(_landed(axis, record, _waited_together(works, async_op)), add)
+
+
+def _then(work: Any, step: Callable[[], object]) -> Any:
+    """Run `step` after the collective: now when it was blocking (`work` None), else in the
+    handle's first wait."""
+    if work is None:
+        step()
+        return None
+    return _FinishOnWait(work, step)
 
 
 def broadcast(tensor: torch.Tensor, axis: Axis, src_group_rank: int = 0) -> torch.Tensor:

@@ -147,8 +147,9 @@ class ZeroGradientSync:
         if self.stage == 1:
             wire = flat_grads(bucket).to(self.settings.reduce_dtype)  # the buffer itself when the dtypes agree
             lo, hi = self.ranges[i]
-            # In place: the sum lands in this rank's slice of the buffer it was summed from.
-            work = comm.reduce_scatter_into(wire[lo:hi], wire, bucket.axis, async_op=True)
+            # In place: the sum lands in this rank's slice of the buffer it was summed from; the
+            # other slices are zeroed before the next backward, so the collective may overwrite them.
+            work = comm.reduce_scatter_into(wire[lo:hi], wire, bucket.axis, async_op=True, overwrite_input=True)
 
             def land() -> None:
                 own = flat_grads(bucket)[lo:hi]
@@ -161,7 +162,7 @@ class ZeroGradientSync:
         for seg in bucket.segments:
             seg.param.grad = None
         wire = full.to(self.settings.reduce_dtype)
-        out, work = comm.reduce_scatter(wire, bucket.axis, async_op=True)
+        out, work = comm.reduce_scatter(wire, bucket.axis, async_op=True, overwrite_input=True)  # wire is dropped after
         return Pending(work, lambda: self._accumulate_shard(i, out), keep=(wire,))
 
     def _accumulate_shard(self, i: int, reduced: torch.Tensor) -> None:
