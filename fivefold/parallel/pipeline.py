@@ -29,7 +29,9 @@ Zero-bubble weight step
     accumulated. The weight step (W) does the deferred work, dW = dy^T x for each linear,
     and accumulates every gradient of the micro-batch through autograd, so each
     parameter's accumulation hook fires once per micro-batch, in W, as data parallel's
-    bucket counting expects. The model stays plain PyTorch. Under
+    bucket counting expects. From the second micro-batch on, a linear weight's dW goes
+    straight into its .grad (one GEMM that adds, no temporary) and autograd's accumulation
+    gets an empty zero gradient, so that the hooks still fire. The model stays plain PyTorch. Under
     recompute=full nothing is deferred (the recomputed forward would not rebuild the
     deferred linears): B then computes every gradient and W has nothing left to do; the
     same under train.compile (a compiled block's backward cannot leave its matmuls behind).
@@ -242,11 +244,40 @@ class _GradientLink(torch.autograd.Function):
         return grad if ctx.needs_input_grad[0] else None, ctx.compute(), None
 
 
+def _takes_in_place(param: torch.Tensor, items: list[PendingWeightGrad]) -> bool:
+    """Whether `param.grad` can take every dy^T x of `items` in place: it holds an earlier
+    micro-batch's gradient, dense, in the dtype of each x and dy."""
+    grad = param.grad
+    if grad is None or grad.layout != torch.strided or not grad.is_contiguous():
+        return False
+    return all(item.input.dtype == item.output_grad.dtype == grad.dtype for item in items)
+
+
+def _no_further_gradient(param: torch.Tensor) -> torch.Tensor:
+    """A zero gradient with no elements (sparse), for a parameter whose gradient W already
+    added in place: autograd's accumulation and its hooks (data parallel's bucket
+    counting) still run once per micro-batch, as for any other parameter, at no cost."""
+    indices = torch.empty((param.ndim, 0), dtype=torch.long, device=param.device)
+    values = torch.empty(0, dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False, is_coalesced=True)
+
+
 def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: torch.Tensor | None):
     """A function computing `param`'s whole gradient of one micro-batch: what B held plus
-    dy^T x of each deferred use of it; it drops (x, dy) as it goes."""
+    dy^T x of each deferred use of it; it drops (x, dy) as it goes.
+
+    A weight only deferred uses reach, whose .grad already holds an earlier micro-batch's
+    gradient, takes each dy^T x in place as one GEMM that adds into .grad (beta = 1):
+    no dW temporary, and no second pass that reads it and .grad again to add them.
+    """
 
     def compute() -> torch.Tensor | None:
+        if held is None and items and _takes_in_place(param, items):
+            while items:
+                item = items.pop(0)
+                dy, x = item.output_grad, item.input
+                param.grad.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+            return _no_further_gradient(param)
         grad = held
         while items:
             dw = weight_grad(items.pop(0)).to(param.dtype)
