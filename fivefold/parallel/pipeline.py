@@ -12,7 +12,9 @@ Executor
     `PipelineRunner` walks this rank's list of a table from `schedules.py`: compute actions
     run on the local chunk, each run of communication actions is one batched
     point-to-point call whose receives are waited for only by the compute that consumes
-    them (so a rank never waits on its neighbour for data it does not need yet). A stage output is freed as soon as it has been sent (its autograd
+    them (so a rank never waits on its neighbour for data it does not need yet); a send is
+    posted as soon as its tensor exists, ahead of its place in the list (the peer's
+    receive then never waits for this rank to finish a later compute). A stage output is freed as soon as it has been sent (its autograd
     node stays, which is all backward needs) and backward starts from it with the gradient
     received from the next stage.
 
@@ -47,6 +49,7 @@ Gradients and the loss
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
@@ -366,6 +369,7 @@ class _StepState:
     grads: dict = field(default_factory=dict)  # received output gradients
     input_grads: dict = field(default_factory=dict)  # gradients to send back
     pending_sends: list = field(default_factory=list)  # (work, output to free or None)
+    unposted_sends: dict = field(default_factory=dict)  # peer -> this run's sends not posted yet, in list order
     arrivals: dict = field(default_factory=dict)  # (receive kind, micro-batch, chunk) -> work in flight
     live_bytes: int = 0
     peak_bytes: int = 0
@@ -456,6 +460,7 @@ class PipelineRunner:
         self.memory = StepMemory(st.peak_units, st.peak_bytes)
 
     def _execute(self, steps: list[tuple[Action, ...]], st: _StepState, training: bool) -> None:
+        st.unposted_sends = _sends_by_peer(steps)
         for step in steps:
             first = step[0]
             if first.kind.is_comm:
@@ -468,6 +473,31 @@ class PipelineRunner:
                     self._forward(first, st, training)
                 else:
                     self._backward(first, st)
+            ready = self._ready_sends(st, training)
+            if ready:
+                with self._record("comm", first):
+                    self._communicate(ready, st, training)
+
+    def _ready_sends(self, st: _StepState, training: bool) -> tuple[Action, ...]:
+        """Sends that can be posted now, ahead of their place in the list: per peer, the
+        leading run of the sends not posted yet whose tensors exist.
+
+        A table places a send where both ends meet in its planned timeline, which can be a
+        compute or two after the tensor exists; posting it at once lets the transfer start
+        as soon as the peer posts its receive, so a late sender never holds up the peer's
+        next compute. Sends to one peer keep their list order (point-to-point messages
+        match first-in first-out), and since a send never blocks its sender, posting one
+        earlier can only make a receive complete earlier: the table's deadlock freedom holds.
+        """
+        ready: list[Action] = []
+        for queue in st.unposted_sends.values():
+            for a in queue:
+                key = (a.microbatch, a.chunk)
+                exists = key in st.units if a.kind is K.SEND_ACT else key in st.input_grads
+                if not exists:
+                    break
+                ready.append(a)
+        return tuple(ready)
 
     def _await_input(self, action: Action, st: _StepState) -> None:
         """Wait for the receive this compute consumes, if it is still in flight."""
@@ -600,6 +630,11 @@ class PipelineRunner:
         for a in step:
             key, peer = (a.microbatch, a.chunk), a.peer
             assert peer is not None, f"{a} names no peer"  # every communication action of a table does
+            if a.kind in (K.SEND_ACT, K.SEND_GRAD):
+                queue = st.unposted_sends[peer]
+                if not queue or queue[0] != a:
+                    continue  # posted ahead of its place (`_ready_sends`)
+                queue.popleft()
             if a.kind is K.SEND_ACT:
                 unit = st.units[key] if training else st.units.pop(key)
                 sends.append((unit.output.detach(), peer))
@@ -635,6 +670,16 @@ class PipelineRunner:
             if output is not None:
                 release_storage(output)
         st.pending_sends = pending
+
+
+def _sends_by_peer(steps: list[tuple[Action, ...]]) -> dict[int, deque[Action]]:
+    """The send actions of a rank's steps, per peer, in list order."""
+    sends: dict[int, deque[Action]] = {}
+    for step in steps:
+        for a in step:
+            if a.kind in (K.SEND_ACT, K.SEND_GRAD) and a.peer is not None:
+                sends.setdefault(a.peer, deque()).append(a)
+    return sends
 
 
 def _synced_actions(row: list[Action]) -> set[tuple[ActionKind, int, int]]:
