@@ -154,6 +154,24 @@ def test_weight_step_adds_later_micro_batches_in_place():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
 
 
+def test_sends_are_posted_once_their_tensor_exists_in_list_order_per_peer():
+    """The executor posts a send ahead of its place once its tensor exists, but never
+    past an earlier send to the same peer (messages match first-in first-out)."""
+    from fivefold.parallel.pipeline import PipelineRunner, _sends_by_peer, _StepState
+    from fivefold.parallel.schedules import ActionKind, group_steps
+
+    row = build_schedule("1f1b", 2, 4)[0]  # rank 0 sends activations 0..3 to rank 1
+    st = _StepState([], torch.zeros(()), torch.zeros(()))
+    st.unposted_sends = _sends_by_peer(group_steps(row))
+    sends = [a for a in row if a.kind is ActionKind.SEND_ACT]
+    assert list(st.unposted_sends[1]) == sends
+    assert PipelineRunner._ready_sends(None, st, True) == ()  # type: ignore[arg-type]
+    st.units[(1, 0)] = "forward 1 ran"
+    assert PipelineRunner._ready_sends(None, st, True) == ()  # type: ignore[arg-type]  # the send of 0 comes first
+    st.units[(0, 0)] = "forward 0 ran"
+    assert PipelineRunner._ready_sends(None, st, True) == tuple(sends[:2])  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
