@@ -120,6 +120,58 @@ def test_weight_step_does_the_deferred_linear_work():
         torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0)
 
 
+def test_weight_step_adds_later_micro_batches_in_place():
+    """From the second micro-batch on, W adds each deferred dW into the .grad that is there
+    (data parallel's flat views stay put) and every parameter's accumulation hook still
+    fires once per micro-batch; the sums equal eager accumulation."""
+    from fivefold.model.llama import build_model
+
+    model = build_model(_config().model, seed=0)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 8)) for _ in range(2)]
+    for ids in batches:
+        model(ids)[0].square().mean().backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    deferral = WeightGradDeferral(model)
+    order = list(model.parameters())[::-1]
+    accumulated: list[int] = []
+    for p in order:
+        p.register_post_accumulate_grad_hook(lambda p: accumulated.append(id(p)))
+    storage: dict[str, int] = {}
+    for ids in batches:
+        pending: list = []
+        with deferral.collect(pending) as deferred:
+            out = model(ids)[0]
+        others = [p for p in model.parameters() if id(p) not in deferred]
+        grads = torch.autograd.grad([out.square().mean()], others, allow_unused=True)  # B
+        held = {id(p): (p, g) for p, g in zip(others, grads) if g is not None}
+        apply_deferred_weight_grads(pending, held, order)  # W
+        if not storage:
+            storage = {name: p.grad.data_ptr() for name, p in model.named_parameters()}
+    assert sorted(accumulated) == sorted(2 * [id(p) for p in order])
+    for name, p in model.named_parameters():
+        assert p.grad.layout == torch.strided and p.grad.data_ptr() == storage[name]
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7)
+
+
+def test_sends_are_posted_once_their_tensor_exists_in_list_order_per_peer():
+    """The executor posts a send ahead of its place once its tensor exists, but never
+    past an earlier send to the same peer (messages match first-in first-out)."""
+    from fivefold.parallel.pipeline import PipelineRunner, _sends_by_peer, _StepState
+    from fivefold.parallel.schedules import ActionKind, group_steps
+
+    row = build_schedule("1f1b", 2, 4)[0]  # rank 0 sends activations 0..3 to rank 1
+    st = _StepState([], torch.zeros(()), torch.zeros(()))
+    st.unposted_sends = _sends_by_peer(group_steps(row))
+    sends = [a for a in row if a.kind is ActionKind.SEND_ACT]
+    assert list(st.unposted_sends[1]) == sends
+    assert PipelineRunner._ready_sends(None, st, True) == ()  # type: ignore[arg-type]
+    st.units[(1, 0)] = "forward 1 ran"
+    assert PipelineRunner._ready_sends(None, st, True) == ()  # type: ignore[arg-type]  # the send of 0 comes first
+    st.units[(0, 0)] = "forward 0 ran"
+    assert PipelineRunner._ready_sends(None, st, True) == tuple(sends[:2])  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -12,7 +12,9 @@ Executor
     `PipelineRunner` walks this rank's list of a table from `schedules.py`: compute actions
     run on the local chunk, each run of communication actions is one batched
     point-to-point call whose receives are waited for only by the compute that consumes
-    them (so a rank never waits on its neighbour for data it does not need yet). A stage output is freed as soon as it has been sent (its autograd
+    them (so a rank never waits on its neighbour for data it does not need yet); a send is
+    posted as soon as its tensor exists, ahead of its place in the list (the peer's
+    receive then never waits for this rank to finish a later compute). A stage output is freed as soon as it has been sent (its autograd
     node stays, which is all backward needs) and backward starts from it with the gradient
     received from the next stage.
 
@@ -29,7 +31,9 @@ Zero-bubble weight step
     accumulated. The weight step (W) does the deferred work, dW = dy^T x for each linear,
     and accumulates every gradient of the micro-batch through autograd, so each
     parameter's accumulation hook fires once per micro-batch, in W, as data parallel's
-    bucket counting expects. The model stays plain PyTorch. Under
+    bucket counting expects. From the second micro-batch on, a linear weight's dW goes
+    straight into its .grad (one GEMM that adds, no temporary) and autograd's accumulation
+    gets an empty zero gradient, so that the hooks still fire. The model stays plain PyTorch. Under
     recompute=full nothing is deferred (the recomputed forward would not rebuild the
     deferred linears): B then computes every gradient and W has nothing left to do; the
     same under train.compile (a compiled block's backward cannot leave its matmuls behind).
@@ -45,6 +49,7 @@ Gradients and the loss
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
@@ -242,11 +247,40 @@ class _GradientLink(torch.autograd.Function):
         return grad if ctx.needs_input_grad[0] else None, ctx.compute(), None
 
 
+def _takes_in_place(param: torch.Tensor, items: list[PendingWeightGrad]) -> bool:
+    """Whether `param.grad` can take every dy^T x of `items` in place: it holds an earlier
+    micro-batch's gradient, dense, in the dtype of each x and dy."""
+    grad = param.grad
+    if grad is None or grad.layout != torch.strided or not grad.is_contiguous():
+        return False
+    return all(item.input.dtype == item.output_grad.dtype == grad.dtype for item in items)
+
+
+def _no_further_gradient(param: torch.Tensor) -> torch.Tensor:
+    """A zero gradient with no elements (sparse), for a parameter whose gradient W already
+    added in place: autograd's accumulation and its hooks (data parallel's bucket
+    counting) still run once per micro-batch, as for any other parameter, at no cost."""
+    indices = torch.empty((param.ndim, 0), dtype=torch.long, device=param.device)
+    values = torch.empty(0, dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False, is_coalesced=True)
+
+
 def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: torch.Tensor | None):
     """A function computing `param`'s whole gradient of one micro-batch: what B held plus
-    dy^T x of each deferred use of it; it drops (x, dy) as it goes."""
+    dy^T x of each deferred use of it; it drops (x, dy) as it goes.
+
+    A weight only deferred uses reach, whose .grad already holds an earlier micro-batch's
+    gradient, takes each dy^T x in place as one GEMM that adds into .grad (beta = 1):
+    no dW temporary, and no second pass that reads it and .grad again to add them.
+    """
 
     def compute() -> torch.Tensor | None:
+        if held is None and items and _takes_in_place(param, items):
+            while items:
+                item = items.pop(0)
+                dy, x = item.output_grad, item.input
+                param.grad.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+            return _no_further_gradient(param)
         grad = held
         while items:
             dw = weight_grad(items.pop(0)).to(param.dtype)
@@ -335,6 +369,7 @@ class _StepState:
     grads: dict = field(default_factory=dict)  # received output gradients
     input_grads: dict = field(default_factory=dict)  # gradients to send back
     pending_sends: list = field(default_factory=list)  # (work, output to free or None)
+    unposted_sends: dict = field(default_factory=dict)  # peer -> this run's sends not posted yet, in list order
     arrivals: dict = field(default_factory=dict)  # (receive kind, micro-batch, chunk) -> work in flight
     live_bytes: int = 0
     peak_bytes: int = 0
@@ -425,6 +460,7 @@ class PipelineRunner:
         self.memory = StepMemory(st.peak_units, st.peak_bytes)
 
     def _execute(self, steps: list[tuple[Action, ...]], st: _StepState, training: bool) -> None:
+        st.unposted_sends = _sends_by_peer(steps)
         for step in steps:
             first = step[0]
             if first.kind.is_comm:
@@ -437,6 +473,31 @@ class PipelineRunner:
                     self._forward(first, st, training)
                 else:
                     self._backward(first, st)
+            ready = self._ready_sends(st, training)
+            if ready:
+                with self._record("comm", first):
+                    self._communicate(ready, st, training)
+
+    def _ready_sends(self, st: _StepState, training: bool) -> tuple[Action, ...]:
+        """Sends that can be posted now, ahead of their place in the list: per peer, the
+        leading run of the sends not posted yet whose tensors exist.
+
+        A table places a send where both ends meet in its planned timeline, which can be a
+        compute or two after the tensor exists; posting it at once lets the transfer start
+        as soon as the peer posts its receive, so a late sender never holds up the peer's
+        next compute. Sends to one peer keep their list order (point-to-point messages
+        match first-in first-out), and since a send never blocks its sender, posting one
+        earlier can only make a receive complete earlier: the table's deadlock freedom holds.
+        """
+        ready: list[Action] = []
+        for queue in st.unposted_sends.values():
+            for a in queue:
+                key = (a.microbatch, a.chunk)
+                exists = key in st.units if a.kind is K.SEND_ACT else key in st.input_grads
+                if not exists:
+                    break
+                ready.append(a)
+        return tuple(ready)
 
     def _await_input(self, action: Action, st: _StepState) -> None:
         """Wait for the receive this compute consumes, if it is still in flight."""
@@ -569,6 +630,11 @@ class PipelineRunner:
         for a in step:
             key, peer = (a.microbatch, a.chunk), a.peer
             assert peer is not None, f"{a} names no peer"  # every communication action of a table does
+            if a.kind in (K.SEND_ACT, K.SEND_GRAD):
+                queue = st.unposted_sends[peer]
+                if not queue or queue[0] != a:
+                    continue  # posted ahead of its place (`_ready_sends`)
+                queue.popleft()
             if a.kind is K.SEND_ACT:
                 unit = st.units[key] if training else st.units.pop(key)
                 sends.append((unit.output.detach(), peer))
@@ -604,6 +670,16 @@ class PipelineRunner:
             if output is not None:
                 release_storage(output)
         st.pending_sends = pending
+
+
+def _sends_by_peer(steps: list[tuple[Action, ...]]) -> dict[int, deque[Action]]:
+    """The send actions of a rank's steps, per peer, in list order."""
+    sends: dict[int, deque[Action]] = {}
+    for step in steps:
+        for a in step:
+            if a.kind in (K.SEND_ACT, K.SEND_GRAD) and a.peer is not None:
+                sends.setdefault(a.peer, deque()).append(a)
+    return sends
 
 
 def _synced_actions(row: list[Action]) -> set[tuple[ActionKind, int, int]]:

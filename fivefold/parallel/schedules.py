@@ -18,7 +18,9 @@ The executor contract
        for every request of the batch before moving on (an executor may wait later: for
        a receive, just before the compute that consumes it; for a send, at any time
        before its buffer is reused; waiting later never adds a wait, so it cannot add a
-       deadlock either). :func:`group_steps` does the
+       deadlock either; it may also post a send ahead of its place, once its tensor
+       exists, keeping the order of its sends to each peer: a send never blocks its
+       sender, so that only lets a receive complete earlier). :func:`group_steps` does the
        grouping. Post them in list order: point-to-point messages between two ranks are
        matched first-in first-out, and the tables are built so that the n-th send from
        rank a to rank b is the n-th receive of rank b from rank a.
