@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fivefold.tools.bench import alternate, compare, gather_peak_rss, print_table, write_json
+from fivefold.tools.bench import alternate, builds, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import Layout
 from fivefold.mesh import Mesh
 from fivefold.model.llama import MLP as SwiGLU  # one expert, as DeepSpeed wants it: a module it copies
@@ -106,12 +106,13 @@ def main() -> None:
     mesh = Mesh.build(Layout(dp=args.ep, ep=args.ep))
     torch.manual_seed(100 + dist.get_rank())
     x = torch.randn(args.batch, args.seq, args.hidden)
-    layers = {} if args.no_deepspeed else {"deepspeed": (deepspeed_layer(args), True)}
-    layers |= {
-        "fivefold-grouped": (fivefold_layer(args, mesh, "grouped"), False),
-        "fivefold-loop": (fivefold_layer(args, mesh, "loop"), False),
-        "fivefold-padded": (fivefold_layer(args, mesh, "padded"), False),
+    builders = {} if args.no_deepspeed else {"deepspeed": lambda: (deepspeed_layer(args), True)}
+    builders |= {
+        "fivefold-grouped": lambda: (fivefold_layer(args, mesh, "grouped"), False),
+        "fivefold-loop": lambda: (fivefold_layer(args, mesh, "loop"), False),
+        "fivefold-padded": lambda: (fivefold_layer(args, mesh, "padded"), False),
     }
+    layers = {name: build() for name, build in builders.items() if builds(name)}  # one alone: only it
     steps = {name: make_step(layer, x, ds) for name, (layer, ds) in layers.items()}
     if dist.get_rank() == 0:
         print("layers built", flush=True)
