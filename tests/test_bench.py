@@ -76,7 +76,7 @@ def test_the_summary_states_peer_over_fivefold_for_pairs_run_side_by_side():
 
 
 def test_the_memory_ratio_is_held_memory_measured_alone_when_both_cases_have_it():
-    ours = {"peak_rss_mb": 900.0, "held_mb": 200.0, "built_mb": 120.0, "kept_mb": 150.0}
+    ours = {"peak_rss_mb": 900.0, "held_mb": 200.0, "built_mb": 120.0, "kept_mb": 150.0, "live_tensors_mb": 110.0}
     other = {"peak_rss_mb": 1000.0, "held_mb": 300.0, "built_mb": 180.0, "kept_mb": 240.0}
     outcomes = {"tp": [{"title": "tp=2", "baseline": "fivefold", "ratios": {"fivefold": 1.0, "dtensor": 1.2},
                         "cases": {"fivefold": _case([1.0], 2000.0, ours), "dtensor": _case([1.2], 2000.0, other)}}]}
@@ -84,17 +84,28 @@ def test_the_memory_ratio_is_held_memory_measured_alone_when_both_cases_have_it(
     assert row.memory_alone and row.memory_ratio == pytest.approx(1.5)
     markdown = suite_markdown(outcomes)
     assert "| tp=2 vs DTensor parallelize_module | tp=2 | 1.200 | 1.50 | 200 / 300 |" in markdown
-    assert "| fivefold | 1.0000 | 1.000 | 2000 | 900 | 200 (120, 150) |" in markdown
+    assert "| fivefold | 1.0000 | 1.000 | 2000 | 900 | 200 (120, 150; 110) |" in markdown
 
 
 def test_alone_memory_subtracts_the_idle_process_on_each_rank_and_reports_the_largest():
     idle = {"rss_before_mb_per_rank": [300.0, 280.0]}
     measured = {"calls": 3, "rss_before_mb_per_rank": [400.0, 400.0], "peak_rss_mb_per_rank": [500.0, 510.0],
-                "rss_after_mb_per_rank": [450.0, 430.0]}
+                "rss_after_mb_per_rank": [450.0, 430.0], "live_tensors_mb_per_rank": [100.0, 90.0]}
     alone = alone_memory(measured, idle)
     assert alone["held_mb_per_rank"] == [200.0, 230.0] and alone["held_mb"] == 230.0
     assert alone["built_mb"] == 120.0 and alone["kept_mb"] == 150.0 and alone["peak_rss_mb"] == 510.0
+    assert alone["live_tensors_mb"] == 100.0
     assert alone_memory("exit code 1, log x", idle) == {"error": "exit code 1, log x"}
+
+
+def test_live_tensors_count_each_storage_once():
+    import torch
+
+    before = bench.live_tensor_mb()
+    block = torch.ones(1 << 20)  # 4 MB
+    views = [block[1:], block.view(2, -1), block.detach()]  # the same storage
+    assert bench.live_tensor_mb() - before == pytest.approx(4.0, abs=0.01)
+    del block, views
 
 
 def _fake_comparison(mode: str) -> dict:
@@ -141,7 +152,7 @@ def test_a_real_benchmark_run_alone_builds_one_case_and_reports_each_rank(tmp_pa
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{ALONE_ENV: "fivefold-grouped",
                                                                          ALONE_OUT_ENV: str(out)})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(ROOT / "benchmarks" / "bench_ep.py"), "--no-deepspeed", "--hidden", "16", "--ffn", "16",
+               str(ROOT / "benchmarks" / "bench_ep.py"), "--no-deepspeed", "--hidden", "64", "--ffn", "256",
                "--batch", "1", "--seq", "8", "--out", str(tmp_path / "unused.json")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -149,4 +160,5 @@ def test_a_real_benchmark_run_alone_builds_one_case_and_reports_each_rank(tmp_pa
     assert record["case"] == "fivefold-grouped" and record["cases"] == ["fivefold-grouped"]  # no other layer built
     assert len(record["peak_rss_mb_per_rank"]) == 2 and record["calls"] == 2 + bench.ALONE_CALLS
     assert all(p >= b for p, b in zip(record["peak_rss_mb_per_rank"], record["rss_before_mb_per_rank"]))
+    assert all(t >= 0.7 for t in record["live_tensors_mb_per_rank"])  # 4 experts x 3 x 64 x 256 fp32
     assert not (tmp_path / "unused.json").exists()  # the process ended after measuring, as the pass expects

@@ -169,7 +169,8 @@ def measure_alone(cases: dict[str, Callable[[], None]], alone: str, warmup: int,
     for _ in range(calls):
         cases[alone]()
         sync()
-    measured = {"rss_before_mb": before, "peak_rss_mb": max(peak_rss_mb(), before), "rss_after_mb": current_rss_mb()}
+    measured = {"rss_before_mb": before, "peak_rss_mb": max(peak_rss_mb(), before), "rss_after_mb": current_rss_mb(),
+                "live_tensors_mb": live_tensor_mb()}
     per_rank = _gather_per_rank(list(measured.values()))
     record = {"case": alone, "calls": calls, "cases": list(cases)}
     record |= {f"{key}_per_rank": [round(r[i], 1) for r in per_rank] for i, key in enumerate(measured)}
@@ -181,6 +182,29 @@ def measure_alone(cases: dict[str, Callable[[], None]], alone: str, warmup: int,
             print(json.dumps(record))
     _end_process_group()
     raise SystemExit(0)
+
+
+def live_tensor_mb() -> float:
+    """MB of the CPU tensor storages that Python objects reference now (each storage once): the
+    model, gradients, optimizer state, buffers. Storages only C++ holds (DDP's buckets, autograd's
+    saved tensors, a collective's temporaries) are not found, and neither is what the allocator
+    keeps after tensors are freed; 0 where torch was never imported."""
+    import gc
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0.0
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":  # type(): no __class__ hooks
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses have none of their own
+                continue
+            if storage.data_ptr():
+                storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(storages.values()) / 2**20
 
 
 def _distributed():
@@ -419,17 +443,20 @@ def alone_memory(measured: dict | str, idle: dict | str) -> dict:
     and `held` = that peak minus the idle process's RSS on the same rank (imports, process
     group, data: what every case shares), `built` = its RSS before the first call minus the
     same (model, optimizer and buffers as built), `kept` = its RSS after the last call minus the
-    same (what stays between steps); `*_mb` are the largest over ranks."""
+    same (what stays between steps), `live_tensors` = the tensor storages Python references after
+    the last call (`live_tensor_mb`: kept minus it is mostly what the allocator keeps); `*_mb` are
+    the largest over ranks."""
     if isinstance(measured, str) or isinstance(idle, str):
         return {"error": measured if isinstance(measured, str) else f"idle process: {idle}"}
     base = idle["rss_before_mb_per_rank"]
     held = [round(p - b, 1) for p, b in zip(measured["peak_rss_mb_per_rank"], base)]
     built = [round(r - b, 1) for r, b in zip(measured["rss_before_mb_per_rank"], base)]
     kept = [round(r - b, 1) for r, b in zip(measured["rss_after_mb_per_rank"], base)]
+    tensors = measured.get("live_tensors_mb_per_rank", [0.0])
     return {"peak_rss_mb": max(measured["peak_rss_mb_per_rank"]), "held_mb": max(held), "built_mb": max(built),
-            "kept_mb": max(kept), "peak_rss_mb_per_rank": measured["peak_rss_mb_per_rank"],
+            "kept_mb": max(kept), "live_tensors_mb": max(tensors), "peak_rss_mb_per_rank": measured["peak_rss_mb_per_rank"],
             "idle_rss_mb_per_rank": base, "held_mb_per_rank": held, "built_mb_per_rank": built,
-            "kept_mb_per_rank": kept, "calls": measured["calls"]}
+            "kept_mb_per_rank": kept, "live_tensors_mb_per_rank": tensors, "calls": measured["calls"]}
 
 
 # The comparisons the summary states as "peer time / fivefold time": (benchmark, fivefold
@@ -520,19 +547,20 @@ def summary_lines(outcomes: dict[str, list[dict] | str]) -> list[str]:
 
 
 def alone_cells(case: dict) -> str:
-    """`peak | held (built, kept)` of a case measured alone, or why it has none."""
+    """`peak | held (built, kept; live tensors)` of a case measured alone, or why it has none."""
     alone = case.get("alone")
     if alone is None:
         return "– | –"
     if "error" in alone:
         return f"failed: {alone['error']} | –"
-    return f"{alone['peak_rss_mb']:.0f} | {alone['held_mb']:.0f} ({alone['built_mb']:.0f}, {alone['kept_mb']:.0f})"
+    return (f"{alone['peak_rss_mb']:.0f} | {alone['held_mb']:.0f} ({alone['built_mb']:.0f}, {alone['kept_mb']:.0f}; "
+            f"{alone.get('live_tensors_mb', 0.0):.0f})")
 
 
 def comparison_lines(name: str, comparison: dict) -> list[str]:
     lines = [f"### {name}: {comparison['title']}", "",
              f"| case | median s | ratio vs {comparison['baseline']} | peak RSS MB, shared process "
-             "| alone: peak RSS MB | alone: held MB (built, kept) |", "|---|---|---|---|---|---|"]
+             "| alone: peak RSS MB | alone: held MB (built, kept; live tensors) |", "|---|---|---|---|---|---|"]
     for case, values in comparison["cases"].items():
         lines.append(f"| {case} | {values['median_s']:.4f} | {comparison['ratios'][case]:.3f} "
                      f"| {values['peak_rss_mb']:.0f} | {alone_cells(values)} |")
@@ -550,7 +578,9 @@ def suite_markdown(outcomes: dict[str, list[dict] | str], meta: dict | None = No
               "the baseline. Peak RSS, shared process: the case's own peak while every case of the comparison "
               "lived in one process (largest over ranks). Alone: the case in a process of its own (see the summary); "
               "held = peak minus the idle process's RSS, built = resident before the first call (model, optimizer, "
-              "buffers), kept = resident after the last call, both minus the same; largest over ranks.", ""]
+              "buffers), kept = resident after the last call, both minus the same; live tensors = the tensor storages "
+              "Python references after the last call (kept minus it: mostly what the allocator keeps); largest over "
+              "ranks.", ""]
     for name, result in outcomes.items():
         if isinstance(result, str):
             lines += [f"### {name}", "", f"did not finish: {result}", ""]
