@@ -191,6 +191,7 @@ def live_tensor_mb() -> float:
     keeps after tensors are freed; 0 where torch was never imported."""
     import gc
     import sys
+    import warnings
 
     torch = sys.modules.get("torch")
     if torch is None:
@@ -198,12 +199,15 @@ def live_tensor_mb() -> float:
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":  # type(): no __class__ hooks
-            try:
-                storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses have none of their own
-                continue
-            if storage.data_ptr():
-                storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a fake tensor (compile's) warns instead of failing
+                try:
+                    storage = obj.untyped_storage()
+                    pointer, size = storage.data_ptr(), storage.nbytes()
+                except (RuntimeError, NotImplementedError, TypeError, UserWarning):  # wrapper or fake: no data
+                    continue
+            if pointer:
+                storages[pointer] = max(storages.get(pointer, 0), size)
     return sum(storages.values()) / 2**20
 
 
@@ -375,9 +379,10 @@ def suite_env() -> dict[str, str]:
                 PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")])))
 
 
-def run_suite(out_dir: Path, only: list[str], memory: bool = True) -> dict[str, list[dict] | str]:
+def run_suite(out_dir: Path, only: list[str], memory: str = "alone") -> dict[str, list[dict] | str]:
     """Run every benchmark of SUITE (or `only`) one after another; name → comparisons or error.
-    With `memory`, each benchmark's timed run is followed by its memory pass."""
+    memory "alone": each benchmark's timed run is followed by its memory pass; "shared": no
+    memory pass; "only": the memory pass alone, over the JSON an earlier run left in `out_dir`."""
     import importlib.util
     import subprocess
 
@@ -388,12 +393,15 @@ def run_suite(out_dir: Path, only: list[str], memory: bool = True) -> dict[str, 
         if only and entry.name not in only:
             continue
         out = out_dir / f"{entry.name}.json"
-        out.unlink(missing_ok=True)
-        print(f"== bench {entry.name}", flush=True)
-        code = subprocess.call(suite_command(entry, out, with_deepspeed), env=env, cwd=benchmarks_dir().parent)
-        outcomes[entry.name] = json.loads(out.read_text()) if code == 0 and out.exists() else f"exit code {code}"
+        if memory == "only":
+            outcomes[entry.name] = json.loads(out.read_text()) if out.exists() else f"no {out} from an earlier run"
+        else:
+            out.unlink(missing_ok=True)
+            print(f"== bench {entry.name}", flush=True)
+            code = subprocess.call(suite_command(entry, out, with_deepspeed), env=env, cwd=benchmarks_dir().parent)
+            outcomes[entry.name] = json.loads(out.read_text()) if code == 0 and out.exists() else f"exit code {code}"
         result = outcomes[entry.name]
-        if memory and isinstance(result, list):
+        if memory != "shared" and isinstance(result, list):
             memory_pass(result, entry.memory,
                         lambda extra: suite_command(entry, out_dir / "memory" / "unused.json", with_deepspeed,
                                                     extra, preloaded=True),
@@ -603,17 +611,19 @@ def machine_note() -> dict[str, str]:
 
 
 def run_bench_all(argv: list[str]) -> int:
-    """`fivefold bench all [--only a,b] [--out DIR] [--memory alone|shared]`: every comparison,
+    """`fivefold bench all [--only a,b] [--out DIR] [--memory alone|shared|only]`: every comparison,
     one table (markdown + JSON)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="fivefold bench all")
     parser.add_argument("--only", default="", help=f"comma list of: {', '.join(e.name for e in SUITE)}")
     parser.add_argument("--out", default="bench_results", help="folder for every JSON and all.md")
-    parser.add_argument("--memory", choices=("alone", "shared"), default="alone",
+    parser.add_argument("--memory", choices=("alone", "shared", "only"), default="alone",
                         help="alone (default): after each benchmark's timed run, measure every case's memory in a "
                              "process of its own (one short process per case, a few minutes in all); shared: skip "
-                             "that, the memory column is then the peak RSS of cases that shared a process")
+                             "that, the memory column is then the peak RSS of cases that shared a process; only: "
+                             "measure memory alone for the benchmarks whose JSON an earlier run left in --out, "
+                             "without timing them again")
     args = parser.parse_args(argv)
     only = [n for n in args.only.split(",") if n]
     unknown = sorted(set(only) - {e.name for e in SUITE})
@@ -621,7 +631,7 @@ def run_bench_all(argv: list[str]) -> int:
         parser.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(e.name for e in SUITE)}")
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    outcomes = run_suite(out_dir, only, memory=args.memory == "alone")
+    outcomes = run_suite(out_dir, only, memory=args.memory)
     (out_dir / "all.json").write_text(json.dumps(outcomes, indent=2))
     (out_dir / "all.md").write_text(suite_markdown(outcomes, machine_note()))
     print(f"wrote {out_dir / 'all.md'} and {out_dir / 'all.json'}")
