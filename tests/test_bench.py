@@ -131,6 +131,23 @@ def test_each_case_is_measured_in_a_process_where_no_other_case_was_built(tmp_pa
     assert a["small"]["calls"] == 1 + bench.ALONE_CALLS
 
 
+def test_memory_only_measures_the_cases_an_earlier_run_left_and_writes_them_back(tmp_path, monkeypatch):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bench_fake.py").write_text(FAKE_BENCHMARK)
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "fake.json").write_text(json.dumps([_fake_comparison("a")]))
+    monkeypatch.setattr(bench, "benchmarks_dir", lambda: tmp_path / "benchmarks")
+    monkeypatch.setattr(bench, "SUITE", (bench.SuiteEntry("fake", 1, ("--mb", "8"), preload=("colorsys",)),))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("EXPECT_PRELOADED", "1")
+    outcomes = bench.run_suite(out, [], memory="only")
+    written = json.loads((out / "fake.json").read_text())
+    assert outcomes["fake"] == written
+    assert 12 <= written[0]["cases"]["small"]["alone"]["held_mb"] < 40
+    assert (out / "memory" / "fake" / "v0-idle.json").exists()
+
+
 def test_a_case_name_the_benchmark_does_not_know_is_refused_with_the_names_it_knows(tmp_path):
     script = tmp_path / "bench_fake.py"
     script.write_text(FAKE_BENCHMARK.replace("if bench.builds(name)", "if bench.builds(name) or True"))
