@@ -28,6 +28,8 @@ from fivefold.tools import bench
 
 if os.environ.get("EXPECT_PRELOADED") and "colorsys" not in sys.modules:
     raise SystemExit("the launcher did not import the preloaded module first")
+if os.environ.get("EXPECT_FIXED_MMAP") and os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+    raise SystemExit("the memory pass did not fix glibc's mmap threshold")
 MB = 1 << 20
 small_mb = int(sys.argv[sys.argv.index("--mb") + 1]) if "--mb" in sys.argv else 8
 
@@ -141,6 +143,7 @@ def test_memory_only_measures_the_cases_an_earlier_run_left_and_writes_them_back
     monkeypatch.setattr(bench, "SUITE", (bench.SuiteEntry("fake", 1, ("--mb", "8"), preload=("colorsys",)),))
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("EXPECT_PRELOADED", "1")
+    monkeypatch.setenv("EXPECT_FIXED_MMAP", "1")
     outcomes = bench.run_suite(out, [], memory="only")
     written = json.loads((out / "fake.json").read_text())
     assert outcomes["fake"] == written
