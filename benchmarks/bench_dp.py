@@ -294,6 +294,7 @@ def main() -> None:
         return
     skipped = set(filter(None, args.skip.split(",")))
     names = [args.case] if args.case else [c for c in all_cases() if c not in skipped]
+    names = [name for name in names if bench.builds(name)]  # one case measured alone: only it
     cpu: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
     with contextlib.redirect_stdout(sys.stderr if dist.get_rank() else sys.stdout):
         cases = {name: cpu_timed(make_case(name, config, sampler), cpu[name]) for name in names}

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fivefold.tools.bench import alternate, compare, gather_peak_rss, print_table, write_json
+from fivefold.tools.bench import alternate, builds, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import load_config
 from fivefold.data import Sampler, load_tokenizer, load_tokens
 from fivefold.layout import validate
@@ -113,6 +113,8 @@ def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict)
     scale = 1.0 / (train.global_batch * train.seq_len)
     cases = {}
     for name in schedules:
+        if not builds(f"fivefold {name}", f"torch {name}"):  # another case measured alone
+            continue
         vpp = 2 if name == "interleaved" else 1
         layout = dataclasses.replace(config.layout, pp_schedule=name, vpp=vpp)
         cfg = validate(config.replace(layout=layout), mesh.world_size)
@@ -125,7 +127,7 @@ def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict)
             model.optimizer.zero_grad()
 
         cases[f"fivefold {name}"] = ours
-        if name in OURS_ONLY:
+        if name in OURS_ONLY or not builds(f"torch {name}"):
             measured[name] = (model, micro, busy, ours, None)
             continue
         stages = [

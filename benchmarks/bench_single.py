@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run directly from a checkout
 
-from fivefold.tools.bench import CaseResult, Comparison, alternate, compare, write_json  # noqa: E402
+from fivefold.tools.bench import CaseResult, Comparison, alternate, builds, compare, write_json  # noqa: E402
 from fivefold.config import Config, ModelConfig, load_config  # noqa: E402
 from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
 from fivefold.layout import validate  # noqa: E402
@@ -154,7 +154,7 @@ def fivefold_cases(model: ParallelModel, sampler: Sampler, steps: int) -> dict[s
 
 
 def transformers_cases(hf, config: Config, sampler: Sampler, steps: int) -> dict[str, Callable[[], None]]:
-    counter, opt = Counter(), hf_optimizer(hf, config)
+    counter, opt = Counter(), hf_optimizer(hf, config) if hf is not None else None  # None: not built
 
     def train() -> None:
         for _ in range(steps):
@@ -198,9 +198,12 @@ def setup(preset: str, dtype: str):
     config = validate(load_config(preset, [f"train.dtype={dtype}", "train.eval_interval=0"]))
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
-    model = build(config, Mesh.single(config.layout), torch.device("cpu"))
-    hf = hf_model_like(config.model)
-    copy_weights(model.chunks[0], hf)
+    # with one case measured alone (FIVEFOLD_BENCH_ALONE) the other side is not built
+    ours = builds("fivefold train", "fivefold fwd_bwd")
+    model = build(config, Mesh.single(config.layout), torch.device("cpu")) if ours else None
+    hf = hf_model_like(config.model) if builds("transformers train", "transformers fwd_bwd") else None
+    if model is not None and hf is not None:
+        copy_weights(model.chunks[0], hf)
     return config, sampler, model, hf
 
 
@@ -323,19 +326,19 @@ def print_report(comparisons: list[Comparison], summary: dict, equivalence: dict
 
 def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
     config, sampler, model, hf = setup(args.preset, dtype)
-    equivalence = check_same_model(model, hf, sampler)
+    equivalence = check_same_model(model, hf, sampler) if model is not None and hf is not None else {}
     ours = fivefold_cases(model, sampler, args.steps)
     theirs = transformers_cases(hf, config, sampler, args.steps)
     per_step = config.train.global_batch * config.train.seq_len * model_flops_per_token(config.model, config.train.seq_len)
     shape_flops = 2 * config.train.global_batch * config.train.seq_len * config.model.hidden * config.model.ffn
     reps = args.matmul_reps or max(1, round(per_step / shape_flops))
-    matmul, matmul_flops = matmul_case(config, reps)
+    matmul, matmul_flops = matmul_case(config, reps) if builds("matmul") else ((lambda: None), 0.0)
     cases = {
         "fivefold train": ours["train"], "transformers train": theirs["train"],
         "fivefold fwd_bwd": ours["fwd_bwd"], "transformers fwd_bwd": theirs["fwd_bwd"], "matmul": matmul,
     }
     compile_s = None
-    if args.compile:
+    if args.compile and builds("fivefold+compile train", "fivefold+compile fwd_bwd"):
         compiled, compile_s = compiled_cases(config, sampler, args.steps)
         cases |= {"fivefold+compile train": compiled["train"], "fivefold+compile fwd_bwd": compiled["fwd_bwd"]}
     clocks = {name: CpuClock(fn) for name, fn in cases.items()}

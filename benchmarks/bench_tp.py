@@ -152,15 +152,16 @@ def compare_one(config, sequence_parallel: bool, rounds: int, overlap_case: bool
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
     inputs, targets = sampler.local_batch_at(0, 0, 1)
-    ours = build(config, mesh, torch.device("cpu"))
-    peer = DTensorTrainer(config, sequence_parallel)
+    ours = build(config, mesh, torch.device("cpu")) if bench.builds("fivefold") else None
+    peer = DTensorTrainer(config, sequence_parallel) if bench.builds("dtensor") else None
     cases = {
         "fivefold": lambda: train_step(ours, sampler, 0),
         "dtensor": lambda: peer.step(inputs, targets),
     }
     if overlap_case:
         switched = config.replace(layout=dataclasses.replace(config.layout, tp_overlap=not config.layout.tp_overlap))
-        other = build(switched, mesh, torch.device("cpu"))
+        wanted = bench.builds("fivefold_overlap", "fivefold_no_overlap")
+        other = build(switched, mesh, torch.device("cpu")) if wanted else None
         cases["fivefold_overlap" if switched.layout.tp_overlap else "fivefold_no_overlap"] = lambda: train_step(other, sampler, 0)
     results = bench.alternate(cases, warmup=1, rounds=rounds, sync=dist.barrier)
     bench.gather_peak_rss(results)

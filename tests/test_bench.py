@@ -1,14 +1,55 @@
-"""The benchmark summary: which pairs it states and how it computes their ratios."""
+"""The benchmark summary and the memory pass: which pairs the summary states and how it computes
+their ratios; that a case measured alone runs in a process where no other case was built."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from fivefold.tools.bench import headline_rows, per_round_ratio, suite_markdown
+from fivefold.tools import bench
+from fivefold.tools.bench import (
+    ALONE_ENV, ALONE_OUT_ENV, PRELOAD_ENV, SUITE, MemoryVariant, alone_memory, headline_rows, memory_pass,
+    per_round_ratio, suite_markdown,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A benchmark script in miniature: "big" keeps 64 MB alive, "small" keeps --mb MB (8 by default);
+# each call allocates and frees as much again (a transient peak). Construction goes through
+# `bench.builds`, as in benchmarks/, so a case run alone has nothing else alive.
+FAKE_BENCHMARK = '''
+import os, sys
+from fivefold.tools import bench
+
+if os.environ.get("EXPECT_PRELOADED") and "colorsys" not in sys.modules:
+    raise SystemExit("the launcher did not import the preloaded module first")
+if os.environ.get("EXPECT_FIXED_MMAP") and os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+    raise SystemExit("the memory pass did not fix glibc's mmap threshold")
+MB = 1 << 20
+small_mb = int(sys.argv[sys.argv.index("--mb") + 1]) if "--mb" in sys.argv else 8
+
+def case(mb):
+    kept = bytearray(b"\\x01") * (mb * MB)  # written, so every page is resident
+    def step():
+        temporary = bytearray(b"\\x02") * (mb * MB)
+        del temporary
+    step.kept = kept
+    return step
+
+builders = {"big": lambda: case(64), "small": lambda: case(small_mb)}
+cases = {name: build() for name, build in builders.items() if bench.builds(name)}
+print("timed", sorted(bench.alternate(cases, warmup=1, rounds=2)))
+'''
 
 
-def _case(seconds: list[float], rss: float) -> dict:
-    return {"seconds": seconds, "peak_rss_mb": rss, "median_s": sorted(seconds)[len(seconds) // 2]}
+def _case(seconds: list[float], rss: float, alone: dict | None = None) -> dict:
+    case = {"seconds": seconds, "peak_rss_mb": rss, "median_s": sorted(seconds)[len(seconds) // 2]}
+    return case | ({"alone": alone} if alone is not None else {})
 
 
 def test_per_round_ratio_pairs_rounds_before_taking_the_median():
@@ -26,9 +67,118 @@ def test_the_summary_states_peer_over_fivefold_for_pairs_run_side_by_side():
         ],
         "tp": "exit code 1",
     }
-    rows = headline_rows(outcomes)
-    assert rows == [("dp=2 vs torch DDP", "dp vs ddp", pytest.approx(1.1), pytest.approx(1.5))]
+    (row,) = headline_rows(outcomes)
+    assert (row.label, row.title, row.time_ratio, row.memory_ratio, row.memory_alone) == (
+        "dp=2 vs torch DDP", "dp vs ddp", pytest.approx(1.1), pytest.approx(1.5), False)
     markdown = suite_markdown(outcomes, {"cores": "2"})
-    assert "| dp=2 vs torch DDP | dp vs ddp | 1.100 | 1.50 |" in markdown
+    # no alone measurement: the shared-process peak, and the row says so
+    assert "| dp=2 vs torch DDP | dp vs ddp | 1.100 | 1.50 (shared) | – |" in markdown
     assert "did not finish: exit code 1" in markdown and "cores: 2" in markdown
     assert "ZeRO-2 vs fivefold dp" not in markdown  # zero2 never ran beside dp: no row, no guess
+
+
+def test_the_memory_ratio_is_held_memory_measured_alone_when_both_cases_have_it():
+    ours = {"peak_rss_mb": 900.0, "held_mb": 200.0, "built_mb": 120.0, "kept_mb": 150.0, "live_tensors_mb": 110.0}
+    other = {"peak_rss_mb": 1000.0, "held_mb": 300.0, "built_mb": 180.0, "kept_mb": 240.0}
+    outcomes = {"tp": [{"title": "tp=2", "baseline": "fivefold", "ratios": {"fivefold": 1.0, "dtensor": 1.2},
+                        "cases": {"fivefold": _case([1.0], 2000.0, ours), "dtensor": _case([1.2], 2000.0, other)}}]}
+    (row,) = headline_rows(outcomes)
+    assert row.memory_alone and row.memory_ratio == pytest.approx(1.5)
+    markdown = suite_markdown(outcomes)
+    assert "| tp=2 vs DTensor parallelize_module | tp=2 | 1.200 | 1.50 | 200 / 300 |" in markdown
+    assert "| fivefold | 1.0000 | 1.000 | 2000 | 900 | 200 (120, 150; 110) |" in markdown
+
+
+def test_alone_memory_subtracts_the_idle_process_on_each_rank_and_reports_the_largest():
+    idle = {"rss_before_mb_per_rank": [300.0, 280.0]}
+    measured = {"calls": 3, "rss_before_mb_per_rank": [400.0, 400.0], "peak_rss_mb_per_rank": [500.0, 510.0],
+                "rss_after_mb_per_rank": [450.0, 430.0], "live_tensors_mb_per_rank": [100.0, 90.0]}
+    alone = alone_memory(measured, idle)
+    assert alone["held_mb_per_rank"] == [200.0, 230.0] and alone["held_mb"] == 230.0
+    assert alone["built_mb"] == 120.0 and alone["kept_mb"] == 150.0 and alone["peak_rss_mb"] == 510.0
+    assert alone["live_tensors_mb"] == 100.0
+    assert alone_memory("exit code 1, log x", idle) == {"error": "exit code 1, log x"}
+
+
+def test_live_tensors_count_each_storage_once():
+    import torch
+
+    before = bench.live_tensor_mb()
+    block = torch.ones(1 << 20)  # 4 MB
+    views = [block[1:], block.view(2, -1), block.detach()]  # the same storage
+    assert bench.live_tensor_mb() - before == pytest.approx(4.0, abs=0.01)
+    del block, views
+
+
+def _fake_comparison(mode: str) -> dict:
+    return {"title": f"fake {mode}", "baseline": "big", "meta": {"mode": mode},
+            "cases": {label: {"name": label, "seconds": [1.0], "peak_rss_mb": 0.0} for label in ("big", "small")}}
+
+
+def test_each_case_is_measured_in_a_process_where_no_other_case_was_built(tmp_path):
+    script = tmp_path / "bench_fake.py"
+    script.write_text(FAKE_BENCHMARK)
+    comparisons = [_fake_comparison("a"), _fake_comparison("b")]
+    variants = (MemoryVariant(("--mb", "8"), (("mode", "a"),)), MemoryVariant(("--mb", "24"), (("mode", "b"),)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EXPECT_PRELOADED="1", **{PRELOAD_ENV: "colorsys,not_installed_x"})
+    memory_pass(comparisons, variants, lambda extra: [sys.executable, "-m", "fivefold.tools.bench", str(script), *extra],
+                env, tmp_path / "memory")
+    a, b = ({name: case["alone"] for name, case in c["cases"].items()} for c in comparisons)
+    assert "error" not in a["small"], a["small"]
+    # small keeps 8 MB and allocates 8 more per call: held about 16 MB, built and kept about 8;
+    # with big's 64 MB alive beside it, every one of these would be above 64
+    assert 12 <= a["small"]["held_mb"] < 40 and 6 <= a["small"]["built_mb"] < 30 and a["small"]["kept_mb"] < 30
+    assert 110 <= a["big"]["held_mb"] < 170
+    assert 40 <= b["small"]["held_mb"] < 70  # the variant's arguments reached its process: 2 x 24 MB
+    assert a["small"]["calls"] == 1 + bench.ALONE_CALLS
+
+
+def test_memory_only_measures_the_cases_an_earlier_run_left_and_writes_them_back(tmp_path, monkeypatch):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bench_fake.py").write_text(FAKE_BENCHMARK)
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "fake.json").write_text(json.dumps([_fake_comparison("a")]))
+    monkeypatch.setattr(bench, "benchmarks_dir", lambda: tmp_path / "benchmarks")
+    monkeypatch.setattr(bench, "SUITE", (bench.SuiteEntry("fake", 1, ("--mb", "8"), preload=("colorsys",)),))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("EXPECT_PRELOADED", "1")
+    monkeypatch.setenv("EXPECT_FIXED_MMAP", "1")
+    outcomes = bench.run_suite(out, [], memory="only")
+    written = json.loads((out / "fake.json").read_text())
+    assert outcomes["fake"] == written
+    assert 12 <= written[0]["cases"]["small"]["alone"]["held_mb"] < 40
+    assert (out / "memory" / "fake" / "v0-idle.json").exists()
+
+
+def test_a_case_name_the_benchmark_does_not_know_is_refused_with_the_names_it_knows(tmp_path):
+    script = tmp_path / "bench_fake.py"
+    script.write_text(FAKE_BENCHMARK.replace("if bench.builds(name)", "if bench.builds(name) or True"))
+    done = subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=str(ROOT), **{ALONE_ENV: "bigg"}),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "FIVEFOLD_BENCH_ALONE='bigg' names no case of this benchmark; cases: big, small" in done.stderr
+
+
+def test_every_benchmark_of_the_suite_builds_only_the_case_measured_alone():
+    # the guard each script needs, so that `bench all`'s memory pass measures one case at a time
+    for entry in SUITE:
+        source = (ROOT / "benchmarks" / f"bench_{entry.name}.py").read_text()
+        assert "builds(" in source, f"bench_{entry.name}.py builds its cases without bench.builds"
+
+
+def test_a_real_benchmark_run_alone_builds_one_case_and_reports_each_rank(tmp_path):
+    out = tmp_path / "alone.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{ALONE_ENV: "fivefold-grouped",
+                                                                         ALONE_OUT_ENV: str(out)})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(ROOT / "benchmarks" / "bench_ep.py"), "--no-deepspeed", "--hidden", "64", "--ffn", "256",
+               "--batch", "1", "--seq", "8", "--out", str(tmp_path / "unused.json")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["case"] == "fivefold-grouped" and record["cases"] == ["fivefold-grouped"]  # no other layer built
+    assert len(record["peak_rss_mb_per_rank"]) == 2 and record["calls"] == 2 + bench.ALONE_CALLS
+    assert all(p >= b for p, b in zip(record["peak_rss_mb_per_rank"], record["rss_before_mb_per_rank"]))
+    assert all(t >= 0.7 for t in record["live_tensors_mb_per_rank"])  # 4 experts x 3 x 64 x 256 fp32
+    assert not (tmp_path / "unused.json").exists()  # the process ended after measuring, as the pass expects
