@@ -276,6 +276,7 @@ def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: 
 
     def compute() -> torch.Tensor | None:
         if held is None and items and _takes_in_place(param, items):
+            assert param.grad is not None  # _takes_in_place: an earlier micro-batch's gradient is there
             while items:
                 item = items.pop(0)
                 dy, x = item.output_grad, item.input
