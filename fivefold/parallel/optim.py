@@ -286,13 +286,21 @@ class ReplicatedAdamW(Synchronised):
         return [(p, self.masters[id(p)]) for _, p in self.named]
 
     def step(self, lr: float) -> None:
+        """One fused multi-tensor call per weight-decay rule (an element's update does not
+        depend on which tensors share the call), then the new weights into bf16 parameters."""
         self.steps += 1
-        for name, p in self.named:
-            if p.grad is None:
-                continue
-            m, v = self.state[id(p)]
+        grads = {id(p): p.grad for _, p in self.named if p.grad is not None}
+        updated = [p for _, p in self.named if id(p) in grads]
+        for weight_decay in (True, False):
+            group = [p for p in updated if decays(p.dim()) == weight_decay]
+            if group:
+                adamw_multi_update_(
+                    [self.masters[id(p)] for p in group], [grads[id(p)] for p in group],
+                    [self.state[id(p)][0] for p in group], [self.state[id(p)][1] for p in group],
+                    self.steps, lr, self.settings, weight_decay,
+                )
+        for p in updated:
             master = self.masters[id(p)]
-            adamw_update_(master, p.grad, m, v, self.steps, lr, self.settings, decays(p.dim()))
             if master is not p.data:
                 p.data.copy_(master)
 
