@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="bench_results/single.json")
     p.add_argument("--compile", action="store_true",
                    help="also time fivefold with train.compile=true (each block compiled); reports the compile time")
+    p.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
+                   help="after timing, profile ROUNDS alternated train steps of each side and print "
+                        "self CPU seconds and calls per aten op, per step (torch.profiler)")
     return p.parse_args(argv)
 
 
@@ -231,6 +234,36 @@ def check_same_model(model: ParallelModel, hf, sampler: Sampler) -> dict:
 # --- reporting --------------------------------------------------------------------------------
 
 
+def profile_ops(cases: dict[str, Callable[[], None]], rounds: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per case, {op: (calls, self CPU seconds)} per call of the case, over `rounds` alternated calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    totals: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            for event in prof.key_averages():
+                entry = totals[name].setdefault(event.key, [0.0, 0.0])
+                entry[0] += event.count
+                entry[1] += event.self_cpu_time_total / 1e6
+    return {name: {op: (c / rounds, s / rounds) for op, (c, s) in ops.items()} for name, ops in totals.items()}
+
+
+def print_op_profile(ops: dict[str, dict[str, tuple[float, float]]], steps: int, top: int = 30) -> None:
+    """The `top` ops by self CPU time in any case, the cases side by side, per training step."""
+    def cost(op: str) -> float:
+        return max(case.get(op, (0.0, 0.0))[1] for case in ops.values())
+
+    names = sorted({op for case in ops.values() for op in case}, key=lambda op: -cost(op))
+    print("self CPU per train step, by op (calls, seconds): " + " | ".join(ops))
+    for op in names[:top]:
+        cells = [case.get(op, (0.0, 0.0)) for case in ops.values()]
+        print(f"{op[:58]:58s} " + " | ".join(f"{c / steps:6.0f} {t / steps:8.3f}" for c, t in cells))
+    print("total self CPU s per step: " + " | ".join(
+        f"{name} {sum(t for _, t in case.values()) / steps:.3f}" for name, case in ops.items()))
+
+
 class CpuClock:
     """Wraps a case to record the process CPU seconds of each call, beside the wall time that
     `alternate` records: time spent waiting for a core on a shared machine does not count."""
@@ -351,6 +384,11 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
     print_report(comparisons, summary, equivalence, config)
     if compile_s is not None:
         print(f"train.compile: first fwd_bwd call (compilation included) took {compile_s:.1f} s")
+    if args.profile:
+        profiled = {"fivefold": ours["train"], "transformers": theirs["train"]}
+        if args.compile:
+            profiled["fivefold+compile"] = compiled["train"]
+        print_op_profile(profile_ops(profiled, args.profile), args.steps)
     return comparisons
 
 

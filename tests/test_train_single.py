@@ -135,14 +135,17 @@ def test_initialisation_is_deterministic_and_independent_of_construction():
     assert all(torch.equal(materialized[k], full[k]) for k in full)
 
 
-def test_global_grad_norm_is_bitwise_the_plain_fp64_sum_of_squares():
-    # global_grad_norm squares its fp64 copy in place (one allocation less than pow(2));
-    # the value, hence clipping and every later step, must not change by a bit.
+def test_global_grad_norm_agrees_with_the_fp64_sum_of_squares():
+    # global_grad_norm takes each gradient's sum of squares as one fp32 dot product (no fp64
+    # copy); the result must stay within fp32 accumulation error of the exact fp64 sum, well
+    # inside the 1e-5 the data-parallel and precision tests allow between layouts.
     from fivefold.parallel.optim import global_grad_norm
 
     model = after_first_backward(load_config("tiny"))
     named = list(model.chunks[0].named_parameters())
     expected = torch.zeros((), dtype=torch.float64)
     for _, p in named:
-        expected += p.grad.double().pow(2).sum() / 1
-    assert torch.equal(global_grad_norm(named, model.mesh), expected.sqrt())
+        expected += p.grad.double().pow(2).sum()
+    norm = global_grad_norm(named, model.mesh)
+    assert norm.dtype == torch.float64
+    assert abs(float(norm) - float(expected.sqrt())) <= 1e-6 * float(expected.sqrt())
