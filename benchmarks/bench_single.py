@@ -5,7 +5,7 @@ and the script checks that the parameter counts and the logits agree) on the sam
 of the embedded corpus, with the same loss normalisation, gradient clipping, AdamW
 hyper-parameters, dtype and torch thread count. fivefold runs its real training step
 (`fivefold.train.build` + `train_step`); transformers runs the usual loop (forward, cross
-entropy, backward, `clip_grad_norm_`, `torch.optim.AdamW.step`, `zero_grad`). A second pair
+entropy, backward, `clip_grad_norm_`, fused `torch.optim.AdamW.step`, `zero_grad`). A second pair
 of cases times forward + backward only, without the optimizer.
 
 A fp32 (or bf16) GEMM of the model's largest matmul shape is timed in the same rounds, so
@@ -103,14 +103,16 @@ def copy_weights(source: torch.nn.Module, hf: torch.nn.Module) -> None:
 
 
 def hf_optimizer(hf: torch.nn.Module, config: Config) -> torch.optim.AdamW:
-    """torch AdamW with fivefold's hyper-parameters; decay on matrices only, as fivefold does."""
+    """torch AdamW with fivefold's hyper-parameters; decay on matrices only, as fivefold does.
+    `fused=True`: torch's fused kernel, the kind fivefold runs (on CPU torch's default is the
+    slower single-tensor loop, which would flatter fivefold)."""
     t = config.train
     named = list(hf.named_parameters())
     groups = [
         {"params": [p for _, p in named if decays(p.dim())], "weight_decay": t.weight_decay},
         {"params": [p for _, p in named if not decays(p.dim())], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
 
 
 def hf_loss(hf, inputs: torch.Tensor, targets: torch.Tensor, config: Config) -> torch.Tensor:
