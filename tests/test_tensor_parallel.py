@@ -210,6 +210,15 @@ OVERLAP_CASES = {  # id: (world, preset, overrides): all-reduce and reduce-scatt
     "pp2-vpp2-tp2-interleaved": (4, "tiny", ("layout.pp=2", "layout.vpp=2", "layout.tp=2", "layout.grad_accum=4",
                                              "layout.pp_schedule=interleaved")),
     "tp2-sp-recompute-full": (2, "tiny", ("layout.tp=2", "layout.sequence_parallel=true", "layout.recompute=full")),
+    # context parallel: entries around attention whose K/V travel over cp (ring; all-gather with SP)
+    "cp2-tp2-ring": (4, "tiny", ("layout.cp=2", "layout.tp=2")),
+    "cp2-tp2-sp-allgather": (4, "tiny", ("layout.cp=2", "layout.tp=2", "layout.sequence_parallel=true",
+                                         "layout.cp_algorithm=allgather")),
+    # expert parallel: the MoE region's entry (shared experts' dW) around the experts' all-to-alls
+    "dp2-tp2-ep2-moe-sp": (4, "tiny-moe", ("layout.dp=2", "layout.tp=2", "layout.ep=2",
+                                           "layout.sequence_parallel=true")),
+    "cp2-tp2-ep2-moe-capacity": (4, "tiny-moe", ("layout.cp=2", "layout.tp=2", "layout.ep=2", "model.dropless=false",
+                                                 "model.capacity_factor=1.0")),
 }
 
 
