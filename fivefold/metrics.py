@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .config import ModelConfig
 from .planner.hardware import matmul_operands, measure_matmul_flops  # noqa: F401  (one measurement, re-exported)
 from .flops import (  # noqa: F401  (the FLOP count lives in flops.py; re-exported for callers)
     active_params_per_token,

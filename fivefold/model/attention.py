@@ -95,7 +95,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
-        self.core = AttentionCore()
+        self.core: nn.Module = AttentionCore()  # context parallel swaps in its own
         self.recompute_core = False  # selective recomputation: keep no attention internals
 
     def forward(

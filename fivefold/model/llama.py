@@ -131,6 +131,7 @@ class Transformer(nn.Module):
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             return self.head(x)
+        assert self.embed is not None  # no head module: tied, so the embedding is here
         return F.linear(x, self.embed.weight)
 
     def forward(
@@ -151,7 +152,7 @@ class Transformer(nn.Module):
             x, layer_aux = block(x, rope, documents)
             if layer_aux is not None:
                 aux = layer_aux if aux is None else aux + layer_aux
-        if self.has_head:
+        if self.norm is not None:  # has_head
             x = self.output_logits(self.norm(x))
         return x, aux
 

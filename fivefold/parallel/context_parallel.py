@@ -48,6 +48,8 @@ from ..layout import ZIGZAG_ALGORITHMS
 from ..layout import sequence_segments
 from ..mesh import Axis, Mesh
 from ..model.attention import document_causal_mask, grouped_query_attention, positions_in_documents
+from ..model.llama import Block, Transformer
+from ..model.moe import MoE
 from ..step import MicroBatch
 from . import comm
 
@@ -316,7 +318,7 @@ def _ring_forward(
     current = kv
     for step in range(n):
         # Post the next block's transfer first, so it travels while this one is computed.
-        incoming, works = _exchange(axis, current, "ring_kv") if step < n - 1 else (None, [])
+        incoming, works = _exchange(axis, current, "ring_kv") if step < n - 1 else (current, [])
         rows, cols, causal, mask, skip = _ring_block(documents, (r - step) % n, r, n, T)
         if not skip:  # a block wholly in other documents contributes nothing: not computed
             k, v = current[:, :Hkv, cols], current[:, Hkv:, cols]
@@ -339,9 +341,11 @@ def _ring_backward(
     n, r, T = axis.size, axis.rank, q.shape[2]
     Hkv = kv.shape[1] // 2
     dq = torch.zeros_like(q)
-    current, acc_in, acc_works = kv, None, []
+    current = kv
+    acc_in: torch.Tensor | None = None  # the accumulator that arrived last step; none at the first
+    acc_works: list = []
     for step in range(n):
-        incoming, kv_works = _exchange(axis, current, "ring_kv") if step < n - 1 else (None, [])
+        incoming, kv_works = _exchange(axis, current, "ring_kv") if step < n - 1 else (current, [])
         rows, cols, causal, mask, skip = _ring_block(documents, (r - step) % n, r, n, T)
         contribution = torch.zeros_like(kv)
         if not skip:
@@ -359,6 +363,7 @@ def _ring_backward(
         _wait(kv_works)
         current = incoming
     _wait(acc_works)
+    assert acc_in is not None  # n >= 1 steps each post an accumulator
     return dq, acc_in
 
 
@@ -520,7 +525,7 @@ def _compose(first: Callable | None, then: Callable) -> Callable:
     return then if first is None else (lambda t: then(first(t)))
 
 
-def _install_moe_hooks(moe: nn.Module, mesh: Mesh, algorithm: str, local_len: int) -> None:
+def _install_moe_hooks(moe: MoE, mesh: Mesh, algorithm: str, local_len: int) -> None:
     """Per-sequence statistics and capacity priorities span the cp ranks holding the sequence.
 
     Every cp rank adds the same auxiliary loss, computed from the summed statistics, to its own
@@ -540,14 +545,13 @@ def _install_moe_hooks(moe: nn.Module, mesh: Mesh, algorithm: str, local_len: in
 CORES = {"allgather": AllGatherKVCore, "ring": RingAttentionCore, "ulysses": UlyssesCore}
 
 
-def apply_context_parallel(chunk: nn.Module, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
+def apply_context_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
     """Swap every attention core for the distributed one; make MoE statistics span the sequence."""
-    from ..model.moe import MoE
-
     algorithm = config.layout.cp_algorithm
     if algorithm not in CORES:
         raise ValueError(f"unknown cp algorithm {algorithm!r}; use one of {', '.join(CORES)}")
     for block in chunk.layers.values():
+        assert isinstance(block, Block)  # every layer is; the check tells the type checker
         block.attn.core = CORES[algorithm](mesh.cp)
         if isinstance(block.mlp, MoE):
             _install_moe_hooks(block.mlp, mesh, algorithm, config.train.seq_len // mesh.cp.size)

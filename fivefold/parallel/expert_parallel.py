@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from ..config import Config
 from ..mesh import Axis, Mesh
+from ..model.llama import Transformer
 from ..model.moe import scatter_rows, sort_slots_by_expert
 from . import comm
 from .sharding import Placement, Split, get_placement, set_placement
@@ -147,7 +148,7 @@ def _shard_expert_weight(owner: nn.Module, attr: str, name: str, mesh: Mesh) -> 
     return placement
 
 
-def apply_expert_parallel(chunk: nn.Module, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
+def apply_expert_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
     """Shard every MoE layer's experts over mesh.ep and swap in the all-to-all dispatcher.
 
     Runs on the meta-device model, after tensor parallel and before materialisation. Expert
@@ -163,7 +164,7 @@ def apply_expert_parallel(chunk: nn.Module, mesh: Mesh, config: Config) -> list[
     return []
 
 
-def moe_dispatchers(chunks: Sequence[nn.Module]) -> dict[str, ExpertParallelDispatcher]:
+def moe_dispatchers(chunks: Sequence[Transformer]) -> dict[str, ExpertParallelDispatcher]:
     """The expert-parallel dispatchers of the MoE layers in `chunks`, by layer name."""
     out = {}
     for chunk in chunks:

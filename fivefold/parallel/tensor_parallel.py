@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import torch
 import torch.nn as nn
@@ -421,6 +421,16 @@ class _Applier:
         setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
 
 
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def _module_of(kind: type[ModuleT], name: str, module: nn.Module) -> ModuleT:
+    """`module` as the kind of module its style rewrites; a plan naming another kind is an error."""
+    if not isinstance(module, kind):
+        raise TypeError(f"tensor-parallel plan: {name} is a {type(module).__name__}, its style needs a {kind.__name__}")
+    return module
+
+
 def _shard_placement(old: torch.Tensor, name: str, split: Split, padded: tuple[int, ...] | None = None,
                      repeat: int = 1) -> Placement:
     base = get_placement(old, name)
@@ -433,9 +443,10 @@ def _shard_placement(old: torch.Tensor, name: str, split: Split, padded: tuple[i
     return placement
 
 
-def _colwise(app: _Applier, name: str, module: nn.Linear, count: int | None = None, repeat: int = 1,
+def _colwise(app: _Applier, name: str, linear: nn.Module, count: int | None = None, repeat: int = 1,
              input_layout: str = "ready", padded_rows: int | None = None) -> nn.Module:
-    """Swap `module` for a column-parallel layer holding part (rank // repeat) of `count` equal parts."""
+    """Swap `linear` for a column-parallel layer holding part (rank // repeat) of `count` equal parts."""
+    module = _module_of(nn.Linear, name, linear)
     t = app.axis.size
     count = count or t
     rows = padded_rows or module.weight.shape[0]
@@ -463,7 +474,8 @@ def _style_colwise_kv(app: _Applier, name: str, module: nn.Module) -> None:
         _colwise(app, name, module, count=kv, repeat=t // kv)
 
 
-def _rowwise(app: _Applier, name: str, module: nn.Linear, output_layout: str) -> None:
+def _rowwise(app: _Applier, name: str, linear: nn.Module, output_layout: str) -> None:
+    module = _module_of(nn.Linear, name, linear)
     t = app.axis.size
     out_features, in_features = module.weight.shape
     new = RowParallelLinear(in_features // t, out_features, app.axis, output_layout, module.weight.device)
@@ -497,16 +509,17 @@ def _style_region(app: _Applier, name: str, module: nn.Module) -> None:
 
 def _style_moe(app: _Applier, name: str, module: nn.Module) -> None:
     """A MoE block as one region: experts split by FFN columns, output reduced once at the exit."""
-    _style_region(app, name, module)
+    moe = _module_of(MoE, name, module)
+    _style_region(app, name, moe)
     axis, layout = app.axis, app.entry
 
     def leave(_module: nn.Module, _args: tuple, output: tuple) -> tuple:
         y, aux = output
         return region_output(y, axis, layout), backward_on_first_rank(aux, axis)
 
-    module.register_forward_hook(leave)
-    _split_experts(app, name, module.experts)
-    app.sum_over_tp.append((module.router.gate, "weight"))
+    moe.register_forward_hook(leave)
+    _split_experts(app, name, moe.experts)
+    app.sum_over_tp.append((moe.router.gate, "weight"))
 
 
 def _split_experts(app: _Applier, name: str, experts: nn.Module) -> None:
@@ -527,7 +540,8 @@ def _style_norm(app: _Applier, name: str, module: nn.Module) -> None:
         app.sum_over_tp.append((module, "weight"))
 
 
-def _style_vocab(app: _Applier, name: str, module: nn.Embedding) -> None:
+def _style_vocab(app: _Applier, name: str, embedding: nn.Module) -> None:
+    module = _module_of(nn.Embedding, name, embedding)
     t, r = app.axis.size, app.axis.rank
     vocab, hidden = module.weight.shape
     rows = padded_vocab(vocab, t)
@@ -538,7 +552,8 @@ def _style_vocab(app: _Applier, name: str, module: nn.Embedding) -> None:
 
 def _style_vocab_colwise(app: _Applier, name: str, module: nn.Module) -> None:
     """The output head: column parallel over the padded vocabulary, entered on its own."""
-    _colwise(app, name, module, input_layout=app.entry, padded_rows=padded_vocab(module.weight.shape[0], app.axis.size))
+    head = _module_of(nn.Linear, name, module)
+    _colwise(app, name, head, input_layout=app.entry, padded_rows=padded_vocab(head.weight.shape[0], app.axis.size))
 
 
 def _style_tied_head_input(app: _Applier, name: str, module: nn.Module) -> None:

@@ -143,7 +143,7 @@ def _check_exportable(config: ModelConfig) -> None:
 def hf_config_from(config: ModelConfig) -> Any:
     """A transformers LlamaConfig (dense) or MixtralConfig (MoE) for fivefold's ModelConfig."""
     _check_exportable(config)
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden,
         num_hidden_layers=config.layers,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -117,5 +118,5 @@ def assert_parity(reference: TrainTrace, other: TrainTrace) -> ParityReport:
     return report
 
 
-def with_layout(config: Config, **layout: object) -> Config:
+def with_layout(config: Config, **layout: Any) -> Config:
     return config.replace(layout=dataclasses.replace(config.layout, **layout))

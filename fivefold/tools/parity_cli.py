@@ -67,7 +67,7 @@ def check_layout(config: Config, mesh: Mesh, steps: int, ref_path: Path) -> int:
         from ..parallel import comm
 
         comm.all_reduce(diverged, mesh.world)
-    if mesh.rank == 0:
+    if report is not None:  # rank 0
         print_losses(reference.losses, trace.losses)
         print(report.summary())
     if not int(diverged):
