@@ -200,6 +200,9 @@ OVERLAP_CASES = {  # id: (world, preset, overrides): all-reduce and reduce-scatt
     "dp2-tp2": (4, "tiny", ("layout.dp=2", "layout.tp=2")),  # bucket counting, no finalizer deferral
     "dp2-tp2-zero3": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=3")),  # gather/free around use
     "dp2-tp2-zero3-sp": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=3", "layout.sequence_parallel=true")),
+    # gradient accumulation under data parallel: no_sync micro-batches, then counted arrivals
+    "dp2-tp2-accum": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.grad_accum=2")),
+    "dp2-tp2-zero3-accum": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=3", "layout.grad_accum=2")),
     "pp2-tp2-1f1b": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=1f1b")),
     "pp2-tp2-sp-zb-h1": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=zb-h1",
                                      "layout.sequence_parallel=true")),
