@@ -85,6 +85,21 @@ def test_plan_is_data_and_sets_placements():
     assert padded_vocab(259, 4) == 260 and padded_vocab(256, 8) == 256
 
 
+def test_a_plan_naming_the_wrong_kind_of_module_is_refused_by_name():
+    """Each style rewrites one kind of module: a plan that names another kind says which
+    module and what its style needs, before anything is replaced."""
+    config = load_config("tiny-moe", []).model
+    cases = {"layers.0.attn_norm": ("colwise", "RMSNorm; its style rewrites Linear modules only"),
+             "layers.0.attn": ("rowwise", "Attention; its style rewrites Linear modules only"),
+             "layers.0.mlp.shared": ("moe", "MLP; its style rewrites MoE modules only"),
+             "head": ("vocab", "Linear; its style rewrites Embedding modules only")}
+    for name, (style, message) in cases.items():
+        with torch.device("meta"):
+            model = Transformer(config)
+        with pytest.raises(TypeError, match=f"tensor-parallel plan: {name} is a {message}"):
+            apply_plan(model, {name: style}, _fake_axis(2, 0), config, sequence_parallel=False)
+
+
 def test_overlap_plan_hands_each_entry_the_weight_gradients_it_hides():
     """layout.tp_overlap: a region's column layers (q, k, v; the shared experts' gate and up)
     leave their weight gradients to the region's entry; the head, entered on its own, to its own."""

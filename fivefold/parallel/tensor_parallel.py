@@ -427,7 +427,8 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 def _module_of(kind: type[ModuleT], name: str, module: nn.Module) -> ModuleT:
     """`module` as the kind of module its style rewrites; a plan naming another kind is an error."""
     if not isinstance(module, kind):
-        raise TypeError(f"tensor-parallel plan: {name} is a {type(module).__name__}, its style needs a {kind.__name__}")
+        raise TypeError(f"tensor-parallel plan: {name} is a {type(module).__name__}; "
+                        f"its style rewrites {kind.__name__} modules only")
     return module
 
 
