@@ -215,8 +215,7 @@ OVERLAP_CASES = {  # id: (world, preset, overrides): all-reduce and reduce-scatt
     "dp2-tp2": (4, "tiny", ("layout.dp=2", "layout.tp=2")),  # bucket counting, no finalizer deferral
     "dp2-tp2-zero3": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=3")),  # gather/free around use
     "dp2-tp2-zero3-sp": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=3", "layout.sequence_parallel=true")),
-    # gradient accumulation under data parallel: no_sync micro-batches, then counted arrivals
-    "dp2-tp2-accum": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.grad_accum=2")),
+    # gradient accumulation under ZeRO-3: no_sync micro-batches, then counted arrivals (dp: the ep case below)
     "dp2-tp2-zero3-accum": (4, "tiny", ("layout.dp=2", "layout.tp=2", "layout.zero=3", "layout.grad_accum=2")),
     "pp2-tp2-1f1b": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=1f1b")),
     "pp2-tp2-sp-zb-h1": (4, "tiny", ("layout.pp=2", "layout.tp=2", "layout.grad_accum=4", "layout.pp_schedule=zb-h1",
@@ -233,8 +232,8 @@ OVERLAP_CASES = {  # id: (world, preset, overrides): all-reduce and reduce-scatt
     "cp2-tp2-sp-allgather": (4, "tiny", ("layout.cp=2", "layout.tp=2", "layout.sequence_parallel=true",
                                          "layout.cp_algorithm=allgather")),
     # expert parallel: the MoE region's entry (shared experts' dW) around the experts' all-to-alls
-    "dp2-tp2-ep2-moe-sp": (4, "tiny-moe", ("layout.dp=2", "layout.tp=2", "layout.ep=2",
-                                           "layout.sequence_parallel=true")),
+    "dp2-tp2-ep2-moe-sp-accum": (4, "tiny-moe", ("layout.dp=2", "layout.tp=2", "layout.ep=2",
+                                                 "layout.sequence_parallel=true", "layout.grad_accum=2")),
     "cp2-tp2-ep2-moe-capacity": (4, "tiny-moe", ("layout.cp=2", "layout.tp=2", "layout.ep=2", "model.dropless=false",
                                                  "model.capacity_factor=1.0")),
 }
