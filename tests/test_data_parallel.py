@@ -200,6 +200,74 @@ def test_buckets_launch_during_backward_and_grads_view_flat_buffers(pools):
     assert all(s <= max(limit, largest_param) for s in first["sizes"])
 
 
+def _released_grads_and_unused_parameters(ctx, zero: int) -> dict:
+    """One step through the whole model, then a backward that reaches only the embedding."""
+    from fivefold.layout import validate
+    from fivefold.train import build
+
+    config = validate(tiny(dp=2, zero=zero, bucket_mb=0.05), 2)
+    model = build(config, ctx.mesh(config.layout), torch.device("cpu"))
+    optimizer, chunk = model.optimizer, model.chunks[0]
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(ctx.rank))
+    logits, _ = chunk(tokens)
+    logits.float().pow(2).mean().backward()
+    optimizer.finish_grad_sync()
+    optimizer.step(1e-3)
+    optimizer.zero_grad()
+    released = all(p.grad is None for _, p in trainable(model.chunks))
+    chunk.embed(tokens).sum().backward()  # d/d(embedding row) = its count in the batch, every column
+    optimizer.finish_grad_sync()
+    embed_sum, others_max = 0.0, 0.0
+    for bucket, grad, (lo, hi) in zip(optimizer.buckets, optimizer.sync.reduced_grads(), optimizer.ranges):
+        for seg, start, end in bucket.runs(lo, hi):
+            values = grad[start - lo : end - lo]
+            if seg.param is chunk.embed.weight:
+                embed_sum += float(values.sum())
+            else:
+                others_max = max(others_max, float(values.abs().max()))
+    views = all(seg.param.grad is not None and seg.param.grad.data_ptr() == b.grad_view(seg).data_ptr()
+                for b in optimizer.buckets for seg in b.segments) if zero < 2 else True
+    return {"released": released, "embed_sum": embed_sum, "others_max": others_max, "views": views,
+            "hidden": config.model.hidden}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_zero_grad_releases_gradients_and_unused_parameters_reduce_as_zeros(pools, zero):
+    """zero_grad leaves .grad None (the next backward's gradients are copied into the flat
+    buffer, nothing is zeroed in advance); a parameter without a gradient in a step must then
+    be reduced as zeros, not as the stale values of the step before."""
+    results = pools.run(2, _released_grads_and_unused_parameters, zero)
+    for r in results:
+        assert r["released"] and r["views"]
+        assert r["others_max"] == 0.0
+    owners = 1 if zero else 2  # ZeRO-1: each rank holds its shard of the sum; dp: every rank all of it
+    tokens_both_ranks = 2 * 2 * 16
+    assert sum(r["embed_sum"] for r in results) == owners * tokens_both_ranks * results[0]["hidden"]
+
+
+def _world_collectives_per_step(ctx, zero: int) -> int:
+    from fivefold.data import Sampler, load_tokenizer, load_tokens
+    from fivefold.layout import validate
+    from fivefold.train import build, train_step
+
+    config = validate(tiny(dp=2, zero=zero), 2)
+    mesh = ctx.mesh(config.layout)
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    model = build(config, mesh, torch.device("cpu"))
+    train_step(model, sampler, 0)
+    before = mesh.stats.calls.get(("world", "all_reduce"), 0)
+    train_step(model, sampler, 1)
+    return mesh.stats.calls.get(("world", "all_reduce"), 0) - before
+
+
+def test_plain_data_parallel_step_waits_on_the_world_once(pools):
+    """Plain dp: every rank holds the whole summed gradient, so the clipping norm is local; the
+    loss and auxiliary loss are reported in one collective. ZeRO-1 still sums the norm's shards."""
+    assert pools.run(2, _world_collectives_per_step, 0) == [1, 1]
+    assert pools.run(2, _world_collectives_per_step, 1) == [2, 2]
+
+
 def _different_weights(ctx) -> str:
     from fivefold.layout import validate
     from fivefold.parallelize import build_chunks
