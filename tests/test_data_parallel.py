@@ -10,7 +10,7 @@ import torch
 
 from fivefold.config import Layout, load_config
 from fivefold.mesh import Mesh
-from fivefold.parallel.data_parallel import DataParallelAdamW, flat_adamw_, plan_buckets, trainable
+from fivefold.parallel.data_parallel import TAIL_FRACTION, DataParallelAdamW, flat_adamw_, plan_buckets, trainable
 from fivefold.parallel.optim import AdamWSettings, adamw_update_, decays
 from fivefold.tools.parity import PARAM_ATOL, PARAM_RTOL, TrainTrace, assert_parity
 
@@ -303,6 +303,23 @@ def test_bucket_plan_covers_every_parameter_once_in_reverse_order():
         assert b.numel * 4 <= 60_000 or len(b.segments) == 1
         starts = [seg.start for seg in b.segments]
         assert starts == sorted(starts) and starts[0] == 0
+
+
+@pytest.mark.parametrize("bucket_bytes", [60_000, 200_000, 1 << 30])
+def test_bucket_completed_last_is_cut_to_a_quarter(bucket_bytes):
+    """The bucket backward completes last (the first layers, the embedding) cannot overlap any
+    backward: it holds at most a quarter of bucket_bytes (or one parameter). A model that fits
+    in that quarter is one bucket."""
+    named = trainable([tiny_model()])
+    buckets = plan_buckets(named, Mesh.single(), bucket_bytes=bucket_bytes, pad_to_axis=False)
+    total = sum(p.numel() * 4 for _, p in named)
+    last = buckets[-1]
+    if total <= bucket_bytes // TAIL_FRACTION:
+        assert len(buckets) == 1
+        return
+    assert last.numel * 4 <= bucket_bytes // TAIL_FRACTION or len(last.segments) == 1
+    assert all(b.numel * 4 <= bucket_bytes or len(b.segments) == 1 for b in buckets)
+    assert [seg.name for b in buckets for seg in b.segments] == [n for n, _ in reversed(named)]
 
 
 def test_flat_update_equals_per_parameter_update():

@@ -207,27 +207,45 @@ def plan_buckets(
     """Buckets of at most ~bucket_bytes per axis group, filled in reverse registration order.
 
     Reverse order approximates the order in which backward completes gradients, so early
-    buckets are ready early. With `pad_to_axis`, each bucket's length is a multiple of its
-    axis size (ZeRO shards buckets evenly).
+    buckets are ready early. The bucket completed last is cut to at most a quarter of
+    bucket_bytes (`split_tail`): with no backward left to hide it, its reduction is the wait
+    between the backward and the optimizer. With `pad_to_axis`, each bucket's length is a
+    multiple of its axis size (ZeRO shards buckets evenly).
     """
     buckets: list[FlatBucket] = []
     for (axis_name, _, _), members in group_by_axis(named, mesh).items():
         axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
         pad_to = axis.size if pad_to_axis else 1
-        current: list[tuple[str, nn.Parameter]] = []
+        groups: list[list[tuple[str, nn.Parameter]]] = [[]]
         size = 0
         for name, p in reversed(members):
             nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > bucket_bytes:
-                buckets.append(make_bucket(current, axis, pad_to))
-                current, size = [], 0
-            current.append((name, p))
+            if groups[-1] and size + nbytes > bucket_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append((name, p))
             size += nbytes
-        if current:
-            buckets.append(make_bucket(current, axis, pad_to))
+        groups[-1:] = split_tail(groups[-1], bucket_bytes // TAIL_FRACTION)
+        buckets.extend(make_bucket(group, axis, pad_to) for group in groups if group)
     for i, bucket in enumerate(buckets):
         bucket.index = i
     return buckets
+
+
+TAIL_FRACTION = 4  # the last bucket holds at most bucket_bytes / TAIL_FRACTION (one or more parameters)
+
+
+def split_tail(group: list[tuple[str, nn.Parameter]], tail_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """[rest, tail]: the last parameters of `group` (those backward completes last) up to
+    `tail_bytes` (at least one) as their own bucket; [group] when it all fits in the tail."""
+    size, cut = 0, len(group)
+    while cut > 0:
+        nbytes = group[cut - 1][1].numel() * group[cut - 1][1].element_size()
+        if cut < len(group) and size + nbytes > tail_bytes:
+            break
+        size += nbytes
+        cut -= 1
+    return [group[:cut], group[cut:]] if cut > 0 else [group]
 
 
 # ----------------------------------------------------------------------------- checks
