@@ -20,8 +20,11 @@ and fivefold's (comm.py, as ZeRO calls them).
 `--floor` times torch DDP, ZeroRedundancyOptimizer and fivefold's dp and ZeRO-1 beside the
 parts of a step alone: each rank's forward + backward + clip + fused AdamW on its local batch
 with no collective (all parameters, or one ZeRO-1 shard's worth), and the bare collectives of
-the gradients' bytes. It prints the largest ratio any implementation could reach against each
-peer on this machine: the peer's step over the compute alone.
+the gradients' bytes. The floor of a step is the CPU of both parts, summed over the ranks, over
+the cores (gloo's sums and copies run on the cores that compute), and never less than one
+rank's compute alone. It prints each step over that floor, the measured assumptions (cores,
+threads, load, CPU on gloo's threads, utilisation), and the highest ratio any implementation
+could reach against each peer on this machine: the peer's step over the floor.
 
 Every torch peer runs torch's fused AdamW (`fused=True`), the kernel kind fivefold runs.
 """
@@ -34,8 +37,9 @@ import os
 import resource
 import statistics
 import sys
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -157,19 +161,41 @@ def deepspeed_case(config: Config, sampler: Sampler, stage: int) -> Callable[[],
     return step
 
 
-def cpu_and_faults() -> tuple[float, int]:
-    """CPU seconds of this process so far, every thread (gloo's included), and its minor page
-    faults (fresh pages: what a large temporary costs on top of writing it)."""
+class Usage(NamedTuple):
+    """Counters read before and after a call; their differences are the call's."""
+
+    cpu: float  # CPU seconds of every thread of the process (gloo's included)
+    faults: int  # minor page faults (fresh pages: what a large temporary costs on top of writing it)
+    main_cpu: float  # CPU seconds of the calling (main) thread; cpu - main_cpu is gloo's threads
+    main_queued: float  # seconds the main thread was runnable but waited for a core
+    wall: float
+
+    def __sub__(self, other: "Usage") -> "Usage":  # type: ignore[override]
+        return Usage(*(a - b for a, b in zip(self, other)))
+
+
+def usage_now() -> Usage:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
+    main_cpu, main_queued = thread_schedstat()
+    return Usage(usage.ru_utime + usage.ru_stime, usage.ru_minflt, main_cpu, main_queued, time.perf_counter())
 
 
-def cpu_timed(step: Callable[[], None], record: list[tuple[float, int]]) -> Callable[[], None]:
+def thread_schedstat() -> tuple[float, float]:
+    """(CPU seconds, seconds waiting for a core) of the calling thread, from Linux's schedstat;
+    without it, the thread's CPU time and no waiting."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def cpu_timed(step: Callable[[], None], record: list[Usage]) -> Callable[[], None]:
     def timed() -> None:
-        cpu, faults = cpu_and_faults()
+        before = usage_now()
         step()
-        cpu_after, faults_after = cpu_and_faults()
-        record.append((cpu_after - cpu, faults_after - faults))
+        record.append(usage_now() - before)
 
     return timed
 
@@ -279,7 +305,7 @@ def main() -> None:
     parser.add_argument("--collectives", action="store_true", help="time bare gloo collectives of the model's bytes")
     parser.add_argument("--optimizer", action="store_true", help="time one AdamW step: fivefold's against torch's")
     parser.add_argument("--floor", action="store_true",
-                        help="the dp and ZeRO-1 steps against their floor (compute alone, collectives alone)")
+                        help="the dp and ZeRO-1 steps against their floor (CPU of compute alone + collectives alone)")
     parser.add_argument("--json", default="runs/bench/dp.json")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.global_batch=8")
     args = parser.parse_args()
@@ -295,7 +321,7 @@ def main() -> None:
     skipped = set(filter(None, args.skip.split(",")))
     names = [args.case] if args.case else [c for c in all_cases() if c not in skipped]
     names = [name for name in names if bench.builds(name)]  # one case measured alone: only it
-    cpu: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
+    cpu: dict[str, list[Usage]] = {name: [] for name in names}
     with contextlib.redirect_stdout(sys.stderr if dist.get_rank() else sys.stdout):
         cases = {name: cpu_timed(make_case(name, config, sampler), cpu[name]) for name in names}
         results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
@@ -321,18 +347,22 @@ def run_micro_benchmark(args, config: Config, sampler: Sampler) -> None:
     else:
         cases, baseline = optimizer_cases(config), "torch-adamw-single-tensor"
         title, meta = "one AdamW step over the small preset's parameters (1 thread)", {}
-    cpu: dict[str, list[tuple[float, int]]] = {name: [] for name in cases}
+    cpu: dict[str, list[Usage]] = {name: [] for name in cases}
     cases = {name: cpu_timed(case, cpu[name]) for name, case in cases.items()}
+    facts = machine_facts()
     results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
+    facts["load_average_after"] = os.getloadavg()[0]
     keep_cpu_records(results, cpu, args.warmup)
+    per_rank_cpu = gather_cpu(results) if args.floor else {}
     if dist.get_rank() == 0:
         comparison = bench.compare(title, results, baseline, meta)
         if args.floor:
-            comparison.meta["attainable"] = attainable_ratios(results)
+            comparison.meta["floor"] = floor_report(results, per_rank_cpu, facts["cores"])
+            comparison.meta["machine"] = facts
         bench.print_table(comparison)
         print_cpu(results)
         if args.floor:
-            print_attainable(comparison.meta["attainable"])
+            print_floor(comparison.meta["floor"], facts, results)
         print(f"written {bench.write_json([comparison], args.json)}")
 
 
@@ -342,40 +372,100 @@ FLOORS = {  # peer: (its fivefold counterpart, the compute alone, the collective
 }
 
 
-def attainable_ratios(results: dict) -> dict[str, dict[str, float]]:
-    """Per peer, medians over rounds (each round's cases ran side by side) of the peer's step
-    over: fivefold's step (the measured ratio); the compute alone (the most any implementation
-    could beat the peer by, were every collective hidden for free); the compute plus the bare
-    collectives (the same with nothing hidden)."""
-    def median_ratio(peer: list[float], *parts: list[float]) -> float:
-        return statistics.median(p / sum(ts) for p, *ts in zip(peer, *parts))
+def machine_facts() -> dict:
+    """What the floor assumes, measured rather than taken for granted: the cores this process
+    may run on, torch's intra-op threads, this process's threads (main, gloo's, torch's) and
+    the load average (other processes on the same cores make every wall time longer)."""
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "process_threads": len(os.listdir("/proc/self/task")),
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def gather_cpu(results: dict) -> dict[str, list[list[float]]]:
+    """Every rank's CPU seconds per round, per case (collective: every rank calls it)."""
+    names = list(results)
+    local = torch.tensor([results[n].extra["cpu_seconds"] for n in names], dtype=torch.float64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return {n: [g[i].tolist() for g in gathered] for i, n in enumerate(names)}
+
+
+def floor_report(results: dict, cpu: dict[str, list[list[float]]], cores: int) -> dict[str, dict[str, float]]:
+    """Per peer, medians over rounds (the cases of a round ran side by side) of each step
+    against the floor of that round.
+
+    The floor is the time no implementation can go below on this machine: every rank must
+    spend the CPU of its compute alone (forward, backward, clip, AdamW, no communication) and
+    the CPU of the gradients' collectives (gloo sums and copies on the same cores, measured
+    bare on the same bytes). With those CPU seconds summed over the ranks, wall time is at
+    least that sum / cores, and at least one rank's compute alone (a thread is serial).
+    Returned: step / floor for the peer and for fivefold, in wall time and in CPU per rank;
+    the peer / fivefold ratio measured; utilisation (CPU of all ranks / (wall x cores)).
+    """
+    def rank_sum(name: str, r: int) -> float:
+        return sum(per_rank[r] for per_rank in cpu[name])
 
     out = {}
+    ranks = len(cpu["compute"])
     for peer, (ours, compute, collectives) in FLOORS.items():
-        for unit, key in (("", None), ("cpu_", "cpu_seconds")):
-            t = {n: results[n].extra[key] if key else results[n].seconds for n in (peer, ours, compute, collectives)}
-            out.setdefault(peer, {}).update({
-                f"{unit}measured": median_ratio(t[peer], t[ours]),
-                f"{unit}attainable_all_hidden": median_ratio(t[peer], t[compute]),
-                f"{unit}attainable_nothing_hidden": median_ratio(t[peer], t[compute], t[collectives]),
-            })
+        rounds = range(len(results[peer].seconds))
+        floor_cpu = [rank_sum(compute, r) + rank_sum(collectives, r) for r in rounds]
+        floor_wall = [max(f / cores, max(c[r] for c in cpu[compute])) for r, f in zip(rounds, floor_cpu)]
+        row: dict[str, float] = {}
+        for name, key in ((peer, "peer"), (ours, "fivefold")):
+            wall = results[name].seconds
+            row[f"{key}_wall_over_floor"] = statistics.median(wall[r] / floor_wall[r] for r in rounds)
+            row[f"{key}_cpu_over_floor"] = statistics.median(rank_sum(name, r) / floor_cpu[r] for r in rounds)
+            row[f"{key}_utilisation"] = statistics.median(rank_sum(name, r) / (wall[r] * cores) for r in rounds)
+        row["measured_wall"] = statistics.median(p / o for p, o in zip(results[peer].seconds, results[ours].seconds))
+        row["measured_cpu"] = statistics.median(rank_sum(peer, r) / rank_sum(ours, r) for r in rounds)
+        row["floor_wall_s"] = statistics.median(floor_wall)
+        row["floor_cpu_s_per_rank"] = statistics.median(floor_cpu) / ranks
+        out[peer] = row
     return out
 
 
-def print_attainable(attainable: dict[str, dict[str, float]]) -> None:
-    for peer, r in attainable.items():
+def print_floor(floor: dict[str, dict[str, float]], facts: dict, results: dict) -> None:
+    print(f"assumptions, measured: {facts['cores']} cores for this process (of {facts['cpu_count']}), "
+          f"{facts['torch_threads']} torch thread(s), {facts['process_threads']} threads per process "
+          f"(main, gloo's, torch's), load average {facts['load_average']:.1f} before and "
+          f"{facts['load_average_after']:.1f} after (above the core count, other processes took cores: "
+          "every wall time is then longer and the wall ratios below are not a limit)")
+    print("rank 0, share of CPU on threads other than the main one (gloo's): " + ", ".join(
+        f"{n} {1 - statistics.median(r.extra['main_thread_cpu_seconds']) / statistics.median(r.extra['cpu_seconds']):.0%}"
+        for n, r in results.items()))
+    print("rank 0, main thread per call, median s: running / waiting for a core / blocked on collectives: " + "; ".join(
+        f"{n} " + " / ".join(f"{statistics.median(r.extra[f'main_thread_{k}_seconds']):.3f}"
+                             for k in ("cpu", "queued", "blocked"))
+        for n, r in results.items()))
+    for peer, r in floor.items():
         ours = FLOORS[peer][0]
-        for unit, what in (("", "wall time"), ("cpu_", "CPU time")):
-            print(f"{peer} / {ours} in {what}: measured {r[unit + 'measured']:.3f}; attainable at most "
-                  f"{r[unit + 'attainable_all_hidden']:.3f} (peer / compute alone, every collective hidden for free), "
-                  f"{r[unit + 'attainable_nothing_hidden']:.3f} with nothing hidden (peer / (compute + collectives))")
+        print(f"floor for {peer} / {ours}: {r['floor_wall_s']:.3f} s wall, {r['floor_cpu_s_per_rank']:.3f} CPU s per rank "
+              f"(compute alone + {FLOORS[peer][2]} alone)")
+        print(f"  {peer} / floor {r['peer_wall_over_floor']:.3f} wall, {r['peer_cpu_over_floor']:.3f} CPU "
+              f"(utilisation {r['peer_utilisation']:.2f}); {ours} / floor {r['fivefold_wall_over_floor']:.3f} wall, "
+              f"{r['fivefold_cpu_over_floor']:.3f} CPU (utilisation {r['fivefold_utilisation']:.2f})")
+        print(f"  {peer} / {ours} measured {r['measured_wall']:.3f} wall, {r['measured_cpu']:.3f} CPU; the highest "
+              f"ratio any implementation could reach against {peer} here: {r['peer_wall_over_floor']:.3f} wall, "
+              f"{r['peer_cpu_over_floor']:.3f} CPU (peer / floor)")
 
 
-def keep_cpu_records(results: dict, cpu: dict[str, list[tuple[float, int]]], warmup: int) -> None:
-    """The timed rounds' CPU seconds and minor faults per call (the warm-up calls dropped)."""
+def keep_cpu_records(results: dict, cpu: dict[str, list[Usage]], warmup: int) -> None:
+    """Per call of the timed rounds (the warm-up calls dropped): CPU seconds of the process,
+    minor faults, and the main thread's time split into running, waiting for a core, and
+    blocked (the rest of the call's wall time: waiting on collectives, i.e. on the other rank)."""
     for name, records in cpu.items():
-        results[name].extra["cpu_seconds"] = [c for c, _ in records[warmup:]]
-        results[name].extra["minor_faults"] = [f for _, f in records[warmup:]]
+        timed = records[warmup:]
+        extra = results[name].extra
+        extra["cpu_seconds"] = [u.cpu for u in timed]
+        extra["minor_faults"] = [u.faults for u in timed]
+        extra["main_thread_cpu_seconds"] = [u.main_cpu for u in timed]
+        extra["main_thread_queued_seconds"] = [u.main_queued for u in timed]
+        extra["main_thread_blocked_seconds"] = [max(0.0, u.wall - u.main_cpu - u.main_queued) for u in timed]
 
 
 def print_cpu(results: dict) -> None:

@@ -81,9 +81,15 @@ def forward_backward(model: ParallelModel, batches: list[MicroBatch], device: to
 
 def _report_sum(value: torch.Tensor, mesh: Mesh, contributes: bool) -> float:
     """Sum a per-rank value over the ranks that own distinct parts of it."""
-    value = value.clone() if contributes else torch.zeros_like(value)
-    comm.all_reduce(value, mesh.world)
-    return float(value)
+    return _report_sums([(value, contributes)], mesh)[0]
+
+
+def _report_sums(values: list[tuple[torch.Tensor, bool]], mesh: Mesh) -> list[float]:
+    """Several per-rank scalars (value, whether this rank contributes it), summed over the
+    world in one collective: one wait for the slowest rank instead of one per value."""
+    stacked = torch.stack([v if contributes else torch.zeros_like(v) for v, contributes in values])
+    comm.all_reduce(stacked, mesh.world)
+    return stacked.tolist()
 
 
 @dataclass
@@ -197,8 +203,9 @@ def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
     model.optimizer.zero_grad()
     mesh, train = model.mesh, model.config.train
     owns_loss = model.is_last_stage and mesh.tp.rank == 0
-    loss = _report_sum(loss_sum, mesh, owns_loss) / (train.global_batch * train.seq_len)
-    aux = _report_sum(aux_sum, mesh, mesh.tp.rank == 0 and model.aux_owner) / train.global_batch
+    owns_aux = mesh.tp.rank == 0 and model.aux_owner
+    loss_total, aux_total = _report_sums([(loss_sum, owns_loss), (aux_sum, owns_aux)], mesh)
+    loss, aux = loss_total / (train.global_batch * train.seq_len), aux_total / train.global_batch
     routed = routed_tokens(model) if model.config.model.is_moe else {}
     balance_routers(model, routed)  # the post-step hook (training), before the next step routes
     moe = moe_statistics(routed, mesh)

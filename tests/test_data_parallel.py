@@ -10,7 +10,7 @@ import torch
 
 from fivefold.config import Layout, load_config
 from fivefold.mesh import Mesh
-from fivefold.parallel.data_parallel import DataParallelAdamW, flat_adamw_, plan_buckets, trainable
+from fivefold.parallel.data_parallel import TAIL_FRACTION, DataParallelAdamW, flat_adamw_, plan_buckets, trainable
 from fivefold.parallel.optim import AdamWSettings, adamw_update_, decays
 from fivefold.tools.parity import PARAM_ATOL, PARAM_RTOL, TrainTrace, assert_parity
 
@@ -200,6 +200,74 @@ def test_buckets_launch_during_backward_and_grads_view_flat_buffers(pools):
     assert all(s <= max(limit, largest_param) for s in first["sizes"])
 
 
+def _released_grads_and_unused_parameters(ctx, zero: int) -> dict:
+    """One step through the whole model, then a backward that reaches only the embedding."""
+    from fivefold.layout import validate
+    from fivefold.train import build
+
+    config = validate(tiny(dp=2, zero=zero, bucket_mb=0.05), 2)
+    model = build(config, ctx.mesh(config.layout), torch.device("cpu"))
+    optimizer, chunk = model.optimizer, model.chunks[0]
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(ctx.rank))
+    logits, _ = chunk(tokens)
+    logits.float().pow(2).mean().backward()
+    optimizer.finish_grad_sync()
+    optimizer.step(1e-3)
+    optimizer.zero_grad()
+    released = all(p.grad is None for _, p in trainable(model.chunks))
+    chunk.embed(tokens).sum().backward()  # d/d(embedding row) = its count in the batch, every column
+    optimizer.finish_grad_sync()
+    embed_sum, others_max = 0.0, 0.0
+    for bucket, grad, (lo, hi) in zip(optimizer.buckets, optimizer.sync.reduced_grads(), optimizer.ranges):
+        for seg, start, end in bucket.runs(lo, hi):
+            values = grad[start - lo : end - lo]
+            if seg.param is chunk.embed.weight:
+                embed_sum += float(values.sum())
+            else:
+                others_max = max(others_max, float(values.abs().max()))
+    views = all(seg.param.grad is not None and seg.param.grad.data_ptr() == b.grad_view(seg).data_ptr()
+                for b in optimizer.buckets for seg in b.segments) if zero < 2 else True
+    return {"released": released, "embed_sum": embed_sum, "others_max": others_max, "views": views,
+            "hidden": config.model.hidden}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_zero_grad_releases_gradients_and_unused_parameters_reduce_as_zeros(pools, zero):
+    """zero_grad leaves .grad None (the next backward's gradients are copied into the flat
+    buffer, nothing is zeroed in advance); a parameter without a gradient in a step must then
+    be reduced as zeros, not as the stale values of the step before."""
+    results = pools.run(2, _released_grads_and_unused_parameters, zero)
+    for r in results:
+        assert r["released"] and r["views"]
+        assert r["others_max"] == 0.0
+    owners = 1 if zero else 2  # ZeRO-1: each rank holds its shard of the sum; dp: every rank all of it
+    tokens_both_ranks = 2 * 2 * 16
+    assert sum(r["embed_sum"] for r in results) == owners * tokens_both_ranks * results[0]["hidden"]
+
+
+def _world_collectives_per_step(ctx, zero: int) -> int:
+    from fivefold.data import Sampler, load_tokenizer, load_tokens
+    from fivefold.layout import validate
+    from fivefold.train import build, train_step
+
+    config = validate(tiny(dp=2, zero=zero), 2)
+    mesh = ctx.mesh(config.layout)
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    model = build(config, mesh, torch.device("cpu"))
+    train_step(model, sampler, 0)
+    before = mesh.stats.calls.get(("world", "all_reduce"), 0)
+    train_step(model, sampler, 1)
+    return mesh.stats.calls.get(("world", "all_reduce"), 0) - before
+
+
+def test_plain_data_parallel_step_waits_on_the_world_once(pools):
+    """Plain dp: every rank holds the whole summed gradient, so the clipping norm is local; the
+    loss and auxiliary loss are reported in one collective. ZeRO-1 still sums the norm's shards."""
+    assert pools.run(2, _world_collectives_per_step, 0) == [1, 1]
+    assert pools.run(2, _world_collectives_per_step, 1) == [2, 2]
+
+
 def _different_weights(ctx) -> str:
     from fivefold.layout import validate
     from fivefold.parallelize import build_chunks
@@ -235,6 +303,23 @@ def test_bucket_plan_covers_every_parameter_once_in_reverse_order():
         assert b.numel * 4 <= 60_000 or len(b.segments) == 1
         starts = [seg.start for seg in b.segments]
         assert starts == sorted(starts) and starts[0] == 0
+
+
+@pytest.mark.parametrize("bucket_bytes", [60_000, 200_000, 1 << 30])
+def test_bucket_completed_last_is_cut_to_a_quarter(bucket_bytes):
+    """The bucket backward completes last (the first layers, the embedding) cannot overlap any
+    backward: it holds at most a quarter of bucket_bytes (or one parameter). A model that fits
+    in that quarter is one bucket."""
+    named = trainable([tiny_model()])
+    buckets = plan_buckets(named, Mesh.single(), bucket_bytes=bucket_bytes, pad_to_axis=False)
+    total = sum(p.numel() * 4 for _, p in named)
+    last = buckets[-1]
+    if total <= bucket_bytes // TAIL_FRACTION:
+        assert len(buckets) == 1
+        return
+    assert last.numel * 4 <= bucket_bytes // TAIL_FRACTION or len(last.segments) == 1
+    assert all(b.numel * 4 <= bucket_bytes or len(b.segments) == 1 for b in buckets)
+    assert [seg.name for b in buckets for seg in b.segments] == [n for n, _ in reversed(named)]
 
 
 def test_flat_update_equals_per_parameter_update():

@@ -128,6 +128,25 @@ class FlatBucket:
         assert self.grads is not None
         return self.grads[seg.start : seg.end].view_as(seg.param)
 
+    def release_grads_(self) -> None:
+        """Set every .grad to None and leave the flat buffer's values stale (nothing zeroed).
+
+        A step's first gradient of each parameter is then the tensor backward produced, copied
+        into the buffer by the reducer's hook (one copy, as DDP does), instead of being added
+        to a buffer zeroed in advance (a memset and an add that reads twice). Parameters that
+        get no gradient are zero-filled by `fill_missing_grads_` before anything reads them.
+        """
+        for seg in self.segments:
+            seg.param.grad = None
+
+    def fill_missing_grads_(self) -> None:
+        """Give every parameter without a gradient this step a zeroed view of the flat buffer."""
+        for seg in self.segments:
+            if seg.param.grad is None:
+                view = self.grad_view(seg)
+                view.zero_()
+                seg.param.grad = view
+
     def gather_grads(self) -> torch.Tensor:
         """A new flat (numel,) tensor of the parameters' current .grad (zeros where None)."""
         flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
@@ -188,27 +207,45 @@ def plan_buckets(
     """Buckets of at most ~bucket_bytes per axis group, filled in reverse registration order.
 
     Reverse order approximates the order in which backward completes gradients, so early
-    buckets are ready early. With `pad_to_axis`, each bucket's length is a multiple of its
-    axis size (ZeRO shards buckets evenly).
+    buckets are ready early. The bucket completed last is cut to at most a quarter of
+    bucket_bytes (`split_tail`): with no backward left to hide it, its reduction is the wait
+    between the backward and the optimizer. With `pad_to_axis`, each bucket's length is a
+    multiple of its axis size (ZeRO shards buckets evenly).
     """
     buckets: list[FlatBucket] = []
     for (axis_name, _, _), members in group_by_axis(named, mesh).items():
         axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
         pad_to = axis.size if pad_to_axis else 1
-        current: list[tuple[str, nn.Parameter]] = []
+        groups: list[list[tuple[str, nn.Parameter]]] = [[]]
         size = 0
         for name, p in reversed(members):
             nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > bucket_bytes:
-                buckets.append(make_bucket(current, axis, pad_to))
-                current, size = [], 0
-            current.append((name, p))
+            if groups[-1] and size + nbytes > bucket_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append((name, p))
             size += nbytes
-        if current:
-            buckets.append(make_bucket(current, axis, pad_to))
+        groups[-1:] = split_tail(groups[-1], bucket_bytes // TAIL_FRACTION)
+        buckets.extend(make_bucket(group, axis, pad_to) for group in groups if group)
     for i, bucket in enumerate(buckets):
         bucket.index = i
     return buckets
+
+
+TAIL_FRACTION = 4  # the last bucket holds at most bucket_bytes / TAIL_FRACTION (one or more parameters)
+
+
+def split_tail(group: list[tuple[str, nn.Parameter]], tail_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """[rest, tail]: the last parameters of `group` (those backward completes last) up to
+    `tail_bytes` (at least one) as their own bucket; [group] when it all fits in the tail."""
+    size, cut = 0, len(group)
+    while cut > 0:
+        nbytes = group[cut - 1][1].numel() * group[cut - 1][1].element_size()
+        if cut < len(group) and size + nbytes > tail_bytes:
+            break
+        size += nbytes
+        cut -= 1
+    return [group[:cut], group[cut:]] if cut > 0 else [group]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -313,7 +350,7 @@ class BucketReducer:
                 )
             if bucket.grads is not None and param.grad is not None:
                 view = bucket.grad_view(seg)
-                if param.grad.data_ptr() != view.data_ptr():  # someone replaced .grad: fold it back
+                if param.grad.data_ptr() != view.data_ptr():  # the step's first gradient, or a replaced .grad
                     view.copy_(param.grad)
                     param.grad = view
             reducing = not self.defer() and (self.syncing or self.per_backward)
@@ -498,6 +535,7 @@ class BucketAllReduce:
         return initial
 
     def _launch(self, bucket: FlatBucket) -> Pending:
+        bucket.fill_missing_grads_()  # unused parameters: zeros, not last step's values
         grads = flat_grads(bucket)
         wire = grads.to(self.settings.reduce_dtype)  # the gradients themselves when the dtypes agree
         work = comm.all_reduce(wire, bucket.axis, async_op=True)
@@ -526,10 +564,8 @@ class BucketAllReduce:
                 flat_params(bucket).copy_(weight)
 
     def zero_grad(self) -> None:
-        for bucket in self.buckets:
-            flat_grads(bucket).zero_()
-            for seg in bucket.segments:  # keep the views even if someone set .grad = None
-                seg.param.grad = bucket.grad_view(seg)
+        for bucket in self.buckets:  # the next backward's first gradients overwrite the buffer
+            bucket.release_grads_()
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -569,11 +605,15 @@ class FlatAdamW(Synchronised):
         self.masters = [master_copy(w, settings) for w in sync.take_initial_values()]
         self.state = [(torch.zeros_like(m), torch.zeros_like(m)) for m in self.masters]
         self.steps = 0
+        self._holds_every_gradient = holds_every_gradient(sync, mesh)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         grads = self.sync.reduced_grads()
-        total = squared_grad_sum(self.buckets, grads, self.ranges, self.mesh, sharded=self.sync.sharded)
-        comm.all_reduce(total, self.mesh.world)
+        if self._holds_every_gradient:  # the norm is local: no collective, no wait for the other ranks
+            total = squared_grad_sum(self.buckets, grads, self.ranges, self.mesh, sharded=False, divide=False)
+        else:
+            total = squared_grad_sum(self.buckets, grads, self.ranges, self.mesh, sharded=self.sync.sharded)
+            comm.all_reduce(total, self.mesh.world)
         norm = float(total.sqrt())
         coef = clip_coefficient(norm, max_norm)
         if coef < 1:
@@ -627,12 +667,23 @@ class DataParallelAdamW(FlatAdamW):
         super().__init__(BucketAllReduce(chunks, mesh, settings, bucket_mb), mesh, settings)
 
 
+def holds_every_gradient(sync: FlatSynchroniser, mesh: Mesh) -> bool:
+    """True when this rank's reduced gradients are the whole model's, replicated on every rank
+    of the world (plain data parallel without tp, pp, ep or cp sharding): the global norm is
+    then this rank's own, and each rank computes the same value with no collective."""
+    if sync.sharded:
+        return False
+    world = mesh.world.size
+    return all(replica_count(seg.placement, mesh) == world for b in sync.buckets for seg in b.segments)
+
+
 def squared_grad_sum(
     buckets: list[FlatBucket],
     grads: list[torch.Tensor | None],
     ranges: list[tuple[int, int]],
     mesh: Mesh,
     sharded: bool,
+    divide: bool = True,
 ) -> torch.Tensor:
     """This rank's share of the squared gradient norm of the full model, each element counted once.
 
@@ -642,7 +693,8 @@ def squared_grad_sum(
     axes (e.g. tp for a norm weight). Dividing by the number of copies makes one sum over
     the world count every element once. Runs of parameters with the same number of copies
     are reduced by one fp32 norm (a double copy of every gradient costs more than the
-    whole reduction); the partial sums are then added in float64.
+    whole reduction); the partial sums are then added in float64. With `divide=False` each
+    element counts once here (`holds_every_gradient`: the sum is the whole norm, not a share).
     """
     total = torch.zeros((), dtype=torch.float64)
     for bucket, grad, (lo, hi) in zip(buckets, grads, ranges):
@@ -650,7 +702,7 @@ def squared_grad_sum(
             continue
         for start, end, copies in _copy_runs(bucket, lo, hi, mesh, sharded):
             norm = torch.linalg.vector_norm(grad[start - lo : end - lo], dtype=torch.float32).double().cpu()
-            total += norm * norm / copies
+            total += norm * norm / copies if divide else norm * norm
     return total
 
 

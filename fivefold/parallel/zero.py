@@ -145,10 +145,11 @@ class ZeroGradientSync:
     def _launch(self, bucket: FlatBucket) -> Pending:
         i = bucket.index
         if self.stage == 1:
+            bucket.fill_missing_grads_()  # unused parameters: zeros, not last step's values
             wire = flat_grads(bucket).to(self.settings.reduce_dtype)  # the buffer itself when the dtypes agree
             lo, hi = self.ranges[i]
-            # In place: the sum lands in this rank's slice of the buffer it was summed from; the
-            # other slices are zeroed before the next backward, so the collective may overwrite them.
+            # In place: the sum lands in this rank's slice of the buffer it was summed from; the next
+            # backward overwrites every slice (see release_grads_), so the collective may overwrite them.
             work = comm.reduce_scatter_into(wire[lo:hi], wire, bucket.axis, async_op=True, overwrite_input=True)
 
             def land() -> None:
@@ -179,6 +180,9 @@ class ZeroGradientSync:
     def finish(self) -> None:
         # Finalizers (tp sums, tied embeddings) work on the full local .grad, which every stage
         # hands to its reduce-scatter: they run first, and the reducer defers its launches.
+        if self.stage == 1 and self.grad_finalizers:  # they read every .grad; stage 1's are views
+            for bucket in self.buckets:
+                bucket.fill_missing_grads_()
         for finalize in self.grad_finalizers:
             finalize()
         self.reducer.finish()
@@ -214,9 +218,7 @@ class ZeroGradientSync:
         self.grad_shards = [None] * len(self.buckets)
         for bucket in self.buckets:
             if self.stage == 1:
-                flat_grads(bucket).zero_()
-                for seg in bucket.segments:
-                    seg.param.grad = bucket.grad_view(seg)
+                bucket.release_grads_()
             else:
                 for seg in bucket.segments:
                     seg.param.grad = None
