@@ -115,9 +115,10 @@ class TorchStageModule(nn.Module):
         return _OnBackward.apply(out, self.busy.begin)
 
 
-def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict) -> dict:
+def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict, at_place: bool = False) -> dict:
     """Two cases per schedule: fivefold's runner and torch's schedule over the same chunks
-    (fivefold's alone for a schedule in OURS_ONLY)."""
+    (fivefold's alone for a schedule in OURS_ONLY); with `at_place`, a third: fivefold's
+    runner posting each receive at its place in the table, not ahead (an A/B of RECVS_AHEAD)."""
     from torch.distributed import pipelining
 
     train = config.train
@@ -138,6 +139,8 @@ def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict)
             model.optimizer.zero_grad()
 
         cases[f"fivefold {name}"] = ours
+        if at_place:
+            cases[f"fivefold {name} recv at place"] = _receiving_at_place(model.runner, ours)
         if name in OURS_ONLY or not builds(f"torch {name}"):
             measured[name] = (model, micro, busy, ours, None)
             continue
@@ -205,8 +208,32 @@ def transfer_cost(mesh: Mesh, shape: tuple[int, ...], rounds: int = 30) -> dict[
     trips = trips[2:]  # the first trips set up the pair's buffers
     total = torch.tensor([other_cpu], dtype=torch.float64)
     comm.all_reduce(total, mesh.pp)
+    late, early = _receive_wait(mesh, tensor, rounds, ahead=False), _receive_wait(mesh, tensor, rounds, ahead=True)
     return {"bytes": tensor.numel() * tensor.element_size(), "latency_s": statistics.median(trips) / 2,
-            "latency_min_s": min(trips) / 2, "other_threads_cpu_s": float(total[0]) / (2 * (rounds + 2))}
+            "latency_min_s": min(trips) / 2, "other_threads_cpu_s": float(total[0]) / (2 * (rounds + 2)),
+            "wait_posted_late_s": late, "wait_posted_ahead_s": early}
+
+
+def _receive_wait(mesh: Mesh, tensor: torch.Tensor, rounds: int, ahead: bool, gap: float = 0.01) -> float:
+    """Median seconds rank 1 waits for a tensor rank 0 sent `gap` seconds before the wait,
+    its receive posted either just before waiting (as at its consumer) or `ahead`, before the
+    send. gloo's sender waits for the receive to be posted, so a late one costs a round trip."""
+    waits = []
+    for _ in range(rounds):
+        comm.all_reduce(torch.zeros(1), mesh.pp)
+        if mesh.pp.rank == 0:
+            for work in comm.send_recv(mesh.pp, [(tensor, 1)]):
+                work.wait()
+        elif mesh.pp.rank == 1:
+            works = comm.send_recv(mesh.pp, [], [(tensor, 0)]) if ahead else []
+            time.sleep(gap)
+            start = time.perf_counter()
+            for work in works or comm.send_recv(mesh.pp, [], [(tensor, 0)]):
+                work.wait()
+            waits.append(time.perf_counter() - start)
+    value = torch.tensor([statistics.median(waits) if waits else 0.0], dtype=torch.float64)
+    comm.all_reduce(value, mesh.pp, op="max")
+    return float(value[0])
 
 
 def model_bubble(name: str, pp: int, m: int, vpp: int, seconds: list[dict], latency: float) -> float:
@@ -217,6 +244,19 @@ def model_bubble(name: str, pp: int, m: int, vpp: int, seconds: list[dict], late
     span = max(t[-1][1] for t in times)
     busy = sum(sum(seconds[r].values()) for r in range(pp))
     return 1.0 - busy / (pp * span)
+
+
+def _receiving_at_place(runner, step):
+    """`step` with the runner posting each receive at its place in the table."""
+
+    def run() -> None:
+        ahead, runner.recvs_ahead = runner.recvs_ahead, 0
+        try:
+            step()
+        finally:
+            runner.recvs_ahead = ahead
+
+    return run
 
 
 def _bubble(busy: float, span: float, axis) -> float:
@@ -334,6 +374,8 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1")
     parser.add_argument("--malloc", choices=("default", "retain"), default="default",
                         help="retain: glibc keeps freed memory for every case (see the module docstring)")
+    parser.add_argument("--recv-at-place", action="store_true",
+                        help="also time fivefold posting each receive at its place in the table (no receive ahead)")
     parser.add_argument("--json", default="")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.seq_len=64")
     args = parser.parse_args()
@@ -347,7 +389,7 @@ def main() -> None:
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     batch = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
     measured: dict = {}
-    cases = build_cases(config, mesh, batch, args.schedules.split(","), measured)
+    cases = build_cases(config, mesh, batch, args.schedules.split(","), measured, args.recv_at_place)
     results = alternate(cases, warmup=args.warmup, rounds=args.rounds, sync=dist.barrier)
     gather_peak_rss(results)
     boundary = next(iter(measured.values()))[1][0].inputs.shape + (config.model.hidden,)
@@ -387,7 +429,9 @@ def main() -> None:
                   f"wall times {b['model_wall']:.1%}")
         print(f"transfer per micro-batch and boundary: {transfer['bytes']} bytes, latency median "
               f"{transfer['latency_s'] * 1e3:.3f} ms (min {transfer['latency_min_s'] * 1e3:.3f}), other threads' CPU "
-              f"{transfer['other_threads_cpu_s'] * 1e3:.3f} ms per transfer (both ranks)")
+              f"{transfer['other_threads_cpu_s'] * 1e3:.3f} ms per transfer (both ranks); a consumer waits "
+              f"{transfer['wait_posted_late_s'] * 1e3:.3f} ms for data already sent if its receive is posted at "
+              f"the consumer, {transfer['wait_posted_ahead_s'] * 1e3:.3f} ms if posted ahead")
         path = args.json or os.path.join("runs", f"bench_pp_pp{pp}.json")
         print(f"wrote {write_json([comparison], path)}")
     dist.destroy_process_group()
