@@ -236,14 +236,15 @@ def _receive_wait(mesh: Mesh, tensor: torch.Tensor, rounds: int, ahead: bool, ga
     return float(value[0])
 
 
-def model_bubble(name: str, pp: int, m: int, vpp: int, seconds: list[dict], latency: float) -> float:
-    """Bubble of the executor model with each rank's per-action `seconds` ((kind, micro-batch,
-    chunk) -> s) and `latency` per transfer, measured as the step is: 1 - busy / (pp x span)."""
+def model_step(name: str, pp: int, m: int, vpp: int, seconds: list[dict], latency: float) -> tuple[float, float]:
+    """(bubble, step seconds) of the executor model with each rank's per-action `seconds`
+    ((kind, micro-batch, chunk) -> s) and `latency` per transfer; the bubble is measured as
+    the step's is: 1 - busy / (pp x span)."""
     table = build_schedule(name, pp, m, vpp)
     times = executor_model(table, pp, lambda r, a: seconds[r][(a.kind.value, a.microbatch, a.chunk)], latency)
     span = max(t[-1][1] for t in times)
     busy = sum(sum(seconds[r].values()) for r in range(pp))
-    return 1.0 - busy / (pp * span)
+    return 1.0 - busy / (pp * span), span
 
 
 def _receiving_at_place(runner, step):
@@ -257,6 +258,12 @@ def _receiving_at_place(runner, step):
             runner.recvs_ahead = ahead
 
     return run
+
+
+def gain_ceiling(bubble: float, peer_bubble: float) -> float:
+    """The most a schedule can gain on a peer running the same actions for the same busy time:
+    step time is busy / (stages x (1 - bubble)), so the time ratio is (1 - bubble) / (1 - peer's)."""
+    return (1.0 - bubble) / (1.0 - peer_bubble)
 
 
 def _bubble(busy: float, span: float, axis) -> float:
@@ -300,8 +307,9 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 3
                      "mean_ms": {kind: 1e3 * statistics.mean(e.seconds for row in rows for e in row if e.kind == kind)
                                  for kind in sorted({e.kind for row in rows for e in row} & COMPUTE_KINDS)},
                      "busy_cpu_s": [sum(r.values()) for r in cpu_rows],
-                     "model_cpu": model_bubble(name, mesh.pp.size, m, vpp, cpu_rows, latency),
-                     "model_wall": model_bubble(name, mesh.pp.size, m, vpp, wall_rows, latency),
+                     "model_cpu": model_step(name, mesh.pp.size, m, vpp, cpu_rows, latency)[0],
+                     "model_cpu_step_s": model_step(name, mesh.pp.size, m, vpp, cpu_rows, latency)[1],
+                     "model_wall": model_step(name, mesh.pp.size, m, vpp, wall_rows, latency)[0],
                      "cpu_s": {"fivefold": statistics.median(cpu_ff),
                                "torch": statistics.median(cpu_tt) if cpu_tt else float("nan")},
                      "other_threads_cpu_s": {"fivefold": statistics.median(other_ff),
@@ -427,6 +435,13 @@ def main() -> None:
                   + " ".join(f"{v:.3f}" for v in b["busy_cpu_s"])
                   + f"   executor-model bubble with this step's CPU times {b['model_cpu']:.1%}, "
                   f"wall times {b['model_wall']:.1%}")
+            if name in OURS_ONLY and ours_only_peer.split()[-1] in bubbles:
+                other = bubbles[ours_only_peer.split()[-1]]["model_cpu_step_s"]
+                print(f"{'':12s} step of the CPU-time model {b['model_cpu_step_s']:.3f} s, {ours_only_peer}'s "
+                      f"{other:.3f} s: ratio {other / b['model_cpu_step_s']:.3f} (load-independent)")
+            if name not in OURS_ONLY:
+                print(f"{'':12s} ceiling of torch / fivefold time on the same compute, were fivefold's idle only "
+                      f"the CPU-time model's: {gain_ceiling(b['model_cpu'], b['torch']):.3f}")
         print(f"transfer per micro-batch and boundary: {transfer['bytes']} bytes, latency median "
               f"{transfer['latency_s'] * 1e3:.3f} ms (min {transfer['latency_min_s'] * 1e3:.3f}), other threads' CPU "
               f"{transfer['other_threads_cpu_s'] * 1e3:.3f} ms per transfer (both ranks); a consumer waits "
