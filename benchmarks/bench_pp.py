@@ -438,7 +438,8 @@ def main() -> None:
             if name in OURS_ONLY and ours_only_peer.split()[-1] in bubbles:
                 other = bubbles[ours_only_peer.split()[-1]]["model_cpu_step_s"]
                 print(f"{'':12s} step of the CPU-time model {b['model_cpu_step_s']:.3f} s, {ours_only_peer}'s "
-                      f"{other:.3f} s: ratio {other / b['model_cpu_step_s']:.3f} (load-independent)")
+                      f"{other:.3f} s: ratio {other / b['model_cpu_step_s']:.3f} "
+                      "(CPU times: less load-dependent than wall times, not independent of it)")
             if name not in OURS_ONLY:
                 print(f"{'':12s} ceiling of torch / fivefold time on the same compute, were fivefold's idle only "
                       f"the CPU-time model's: {gain_ceiling(b['model_cpu'], b['torch']):.3f}")
