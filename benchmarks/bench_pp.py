@@ -16,8 +16,18 @@ torch's) in the same run.
 
 Evidence that does not depend on the machine's load is printed beside the times: the CPU
 seconds each rank's main thread spends in one step (the work a schedule does, whatever the
-waits), and where each rank's idle time of the traced step went (before its first compute,
-after its last, waiting on transfers, between actions).
+waits) and those of its other threads (gloo's transfers), and where each rank's idle time of
+the traced step went (before its first compute, after its last, waiting on transfers,
+between actions).
+
+What the measured bubble is made of: the bytes of one stage-boundary transfer and its
+latency and CPU cost (a ping-pong of that tensor, `transfer_cost`), and the bubble of the
+executor model (`schedules.executor_model`: every compute starts once its rank is free and
+its input has arrived, one latency after it was made) fed with the traced step's own
+per-action times: its CPU times (the work, without contention) and its wall times (the
+work as stretched by contention). The first is the bubble the schedule allows on this
+machine; when the second matches the measured bubble, the excess is the actions' uneven
+stretching, not waiting on transfers.
 
 `--malloc retain` makes glibc keep freed memory (no heap trimming, no mmap per large tensor)
 for every case alike, as jemalloc or tcmalloc would: the zero-bubble schedule keeps each
@@ -29,6 +39,7 @@ Peak RSS per case means little then (freed memory stays resident).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -45,7 +56,7 @@ from fivefold.data import Sampler, load_tokenizer, load_tokens
 from fivefold.layout import validate
 from fivefold.mesh import Mesh
 from fivefold.parallel import comm
-from fivefold.parallel.schedules import stage_of
+from fivefold.parallel.schedules import build_schedule, executor_model, stage_of
 from fivefold.parallelize import cross_entropy_sum
 from fivefold.stages import bubble_units
 from fivefold.tools.timeline import COMPUTE_KINDS, Timeline, bubble_formula, busy_seconds, gather_rows
@@ -104,9 +115,10 @@ class TorchStageModule(nn.Module):
         return _OnBackward.apply(out, self.busy.begin)
 
 
-def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict) -> dict:
+def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict, at_place: bool = False) -> dict:
     """Two cases per schedule: fivefold's runner and torch's schedule over the same chunks
-    (fivefold's alone for a schedule in OURS_ONLY)."""
+    (fivefold's alone for a schedule in OURS_ONLY); with `at_place`, a third: fivefold's
+    runner posting each receive at its place in the table, not ahead (an A/B of RECVS_AHEAD)."""
     from torch.distributed import pipelining
 
     train = config.train
@@ -127,6 +139,8 @@ def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict)
             model.optimizer.zero_grad()
 
         cases[f"fivefold {name}"] = ours
+        if at_place:
+            cases[f"fivefold {name} recv at place"] = _receiving_at_place(model.runner, ours)
         if name in OURS_ONLY or not builds(f"torch {name}"):
             measured[name] = (model, micro, busy, ours, None)
             continue
@@ -154,6 +168,104 @@ def build_cases(config, mesh: Mesh, batch, schedules: list[str], measured: dict)
     return cases
 
 
+class CpuTimeline(Timeline):
+    """A timeline that also keeps the main thread's CPU seconds of each compute action."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu: dict[tuple[str, int, int], float] = {}
+
+    def start(self) -> None:
+        super().start()
+        self.cpu.clear()
+
+    @contextlib.contextmanager
+    def record(self, kind: str, microbatch: int, chunk: int):
+        cpu = time.thread_time()
+        with super().record(kind, microbatch, chunk):
+            yield
+        if kind in COMPUTE_KINDS:
+            self.cpu[(kind, microbatch, chunk)] = time.thread_time() - cpu
+
+
+def transfer_cost(mesh: Mesh, shape: tuple[int, ...], rounds: int = 30) -> dict[str, float]:
+    """One stage-boundary transfer between pipeline ranks 0 and 1, alone: its bytes, its
+    latency (half a ping-pong's round trip; median and minimum over rounds) and the CPU
+    seconds it costs the two processes' other threads (gloo's), per transfer."""
+    tensor = torch.randn(shape)
+    rank = mesh.pp.rank  # ranks beyond the pair only join the barriers
+    trips, other_cpu = [], 0.0
+    for _ in range(rounds + 2):
+        comm.all_reduce(torch.zeros(1), mesh.pp)
+        process, thread, start = time.process_time(), time.thread_time(), time.perf_counter()
+        for step in (0, 1):  # rank 0 sends then receives; rank 1 the other way round
+            if rank < 2:
+                ops = [(tensor, 1 - rank)]
+                for work in comm.send_recv(mesh.pp, ops if step == rank else [], [] if step == rank else ops):
+                    work.wait()
+        trips.append(time.perf_counter() - start)
+        other_cpu += (time.process_time() - process) - (time.thread_time() - thread)
+    trips = trips[2:]  # the first trips set up the pair's buffers
+    total = torch.tensor([other_cpu], dtype=torch.float64)
+    comm.all_reduce(total, mesh.pp)
+    late, early = _receive_wait(mesh, tensor, rounds, ahead=False), _receive_wait(mesh, tensor, rounds, ahead=True)
+    return {"bytes": tensor.numel() * tensor.element_size(), "latency_s": statistics.median(trips) / 2,
+            "latency_min_s": min(trips) / 2, "other_threads_cpu_s": float(total[0]) / (2 * (rounds + 2)),
+            "wait_posted_late_s": late, "wait_posted_ahead_s": early}
+
+
+def _receive_wait(mesh: Mesh, tensor: torch.Tensor, rounds: int, ahead: bool, gap: float = 0.01) -> float:
+    """Median seconds rank 1 waits for a tensor rank 0 sent `gap` seconds before the wait,
+    its receive posted either just before waiting (as at its consumer) or `ahead`, before the
+    send. gloo's sender waits for the receive to be posted, so a late one costs a round trip."""
+    waits = []
+    for _ in range(rounds):
+        comm.all_reduce(torch.zeros(1), mesh.pp)
+        if mesh.pp.rank == 0:
+            for work in comm.send_recv(mesh.pp, [(tensor, 1)]):
+                work.wait()
+        elif mesh.pp.rank == 1:
+            works = comm.send_recv(mesh.pp, [], [(tensor, 0)]) if ahead else []
+            time.sleep(gap)
+            start = time.perf_counter()
+            for work in works or comm.send_recv(mesh.pp, [], [(tensor, 0)]):
+                work.wait()
+            waits.append(time.perf_counter() - start)
+    value = torch.tensor([statistics.median(waits) if waits else 0.0], dtype=torch.float64)
+    comm.all_reduce(value, mesh.pp, op="max")
+    return float(value[0])
+
+
+def model_step(name: str, pp: int, m: int, vpp: int, seconds: list[dict], latency: float) -> tuple[float, float]:
+    """(bubble, step seconds) of the executor model with each rank's per-action `seconds`
+    ((kind, micro-batch, chunk) -> s) and `latency` per transfer; the bubble is measured as
+    the step's is: 1 - busy / (pp x span)."""
+    table = build_schedule(name, pp, m, vpp)
+    times = executor_model(table, pp, lambda r, a: seconds[r][(a.kind.value, a.microbatch, a.chunk)], latency)
+    span = max(t[-1][1] for t in times)
+    busy = sum(sum(seconds[r].values()) for r in range(pp))
+    return 1.0 - busy / (pp * span), span
+
+
+def _receiving_at_place(runner, step):
+    """`step` with the runner posting each receive at its place in the table."""
+
+    def run() -> None:
+        ahead, runner.recvs_ahead = runner.recvs_ahead, 0
+        try:
+            step()
+        finally:
+            runner.recvs_ahead = ahead
+
+    return run
+
+
+def gain_ceiling(bubble: float, peer_bubble: float) -> float:
+    """The most a schedule can gain on a peer running the same actions for the same busy time:
+    step time is busy / (stages x (1 - bubble)), so the time ratio is (1 - bubble) / (1 - peer's)."""
+    return (1.0 - bubble) / (1.0 - peer_bubble)
+
+
 def _bubble(busy: float, span: float, axis) -> float:
     """1 - sum of busy time / (stages x the longest step), over the pipeline ranks."""
     values = torch.tensor([busy, span], dtype=torch.float64)
@@ -163,35 +275,59 @@ def _bubble(busy: float, span: float, axis) -> float:
     return 1.0 - float(values[0]) / (axis.size * float(spans[0]))
 
 
-def measure_bubbles(measured: dict, mesh: Mesh, repeats: int = 3) -> dict:
+def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 3) -> dict:
     """Median measured bubble of each case over a few untimed steps, the median CPU seconds of a
-    step (the largest over ranks), and where fivefold's idle time went in its median step."""
+    step (main thread: the largest over ranks; other threads: summed over ranks), where
+    fivefold's idle time went in its median step, and that step's executor-model bubbles."""
     out = {}
     for name, (model, micro, busy, ours, theirs) in measured.items():
-        ff, tt, cpu_ff, cpu_tt = [], [], [], []
+        ff, tt, cpu_ff, cpu_tt, other_ff, other_tt = [], [], [], [], [], []
         for _ in range(repeats):
-            model.runner.timeline = Timeline()
+            model.runner.timeline = CpuTimeline()
             comm.all_reduce(torch.zeros(1), mesh.pp)
-            cpu = time.thread_time()
-            ours()
-            cpu_ff.append(_largest(time.thread_time() - cpu, mesh.pp))
+            with _cpu_seconds(mesh, cpu_ff, other_ff):
+                ours()
             timeline, model.runner.timeline = model.runner.timeline, None
-            ff.append((_bubble(busy_seconds(timeline.events), timeline.span, mesh.pp), gather_rows(timeline, mesh.pp)))
+            cpu_rows = [None] * mesh.pp.size
+            dist.all_gather_object(cpu_rows, timeline.cpu, group=mesh.pp.group)
+            ff.append((_bubble(busy_seconds(timeline.events), timeline.span, mesh.pp), gather_rows(timeline, mesh.pp),
+                       cpu_rows))
             if theirs is None:
                 tt.append(float("nan"))
                 continue
             comm.all_reduce(torch.zeros(1), mesh.pp)
-            busy.seconds, start, cpu = 0.0, time.perf_counter(), time.thread_time()
-            theirs()
-            cpu_tt.append(_largest(time.thread_time() - cpu, mesh.pp))
+            busy.seconds, start = 0.0, time.perf_counter()
+            with _cpu_seconds(mesh, cpu_tt, other_tt):
+                theirs()
             tt.append(_bubble(busy.seconds, time.perf_counter() - start, mesh.pp))
-        bubble, rows = sorted(ff, key=lambda pair: pair[0])[repeats // 2]
+        bubble, rows, cpu_rows = sorted(ff, key=lambda triple: triple[0])[repeats // 2]
+        vpp, m = model.runner.vpp, model.runner.num_microbatches
+        wall_rows = [{(e.kind, e.microbatch, e.chunk): e.seconds for e in row if e.kind in COMPUTE_KINDS} for row in rows]
         out[name] = {"fivefold": bubble, "torch": sorted(tt)[repeats // 2], "idle": idle_breakdown(rows),
                      "mean_ms": {kind: 1e3 * statistics.mean(e.seconds for row in rows for e in row if e.kind == kind)
                                  for kind in sorted({e.kind for row in rows for e in row} & COMPUTE_KINDS)},
+                     "busy_cpu_s": [sum(r.values()) for r in cpu_rows],
+                     "model_cpu": model_step(name, mesh.pp.size, m, vpp, cpu_rows, latency)[0],
+                     "model_cpu_step_s": model_step(name, mesh.pp.size, m, vpp, cpu_rows, latency)[1],
+                     "model_wall": model_step(name, mesh.pp.size, m, vpp, wall_rows, latency)[0],
                      "cpu_s": {"fivefold": statistics.median(cpu_ff),
-                               "torch": statistics.median(cpu_tt) if cpu_tt else float("nan")}}
+                               "torch": statistics.median(cpu_tt) if cpu_tt else float("nan")},
+                     "other_threads_cpu_s": {"fivefold": statistics.median(other_ff),
+                                             "torch": statistics.median(other_tt) if other_tt else float("nan")}}
     return out
+
+
+@contextlib.contextmanager
+def _cpu_seconds(mesh: Mesh, main: list[float], others: list[float]):
+    """Appends the step's main-thread CPU seconds (largest over ranks) to `main` and its other
+    threads' (gloo's, summed over ranks) to `others`."""
+    process, thread = time.process_time(), time.thread_time()
+    yield
+    spent = time.thread_time() - thread
+    main.append(_largest(spent, mesh.pp))
+    other = torch.tensor([time.process_time() - process - spent], dtype=torch.float64)
+    comm.all_reduce(other, mesh.pp)
+    others.append(float(other[0]))
 
 
 def formula_at(name: str, pp: int, m: int, vpp: int, measured: dict) -> float:
@@ -246,6 +382,8 @@ def main() -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1")
     parser.add_argument("--malloc", choices=("default", "retain"), default="default",
                         help="retain: glibc keeps freed memory for every case (see the module docstring)")
+    parser.add_argument("--recv-at-place", action="store_true",
+                        help="also time fivefold posting each receive at its place in the table (no receive ahead)")
     parser.add_argument("--json", default="")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.seq_len=64")
     args = parser.parse_args()
@@ -259,12 +397,14 @@ def main() -> None:
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     batch = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
     measured: dict = {}
-    cases = build_cases(config, mesh, batch, args.schedules.split(","), measured)
+    cases = build_cases(config, mesh, batch, args.schedules.split(","), measured, args.recv_at_place)
     results = alternate(cases, warmup=args.warmup, rounds=args.rounds, sync=dist.barrier)
     gather_peak_rss(results)
-    bubbles = measure_bubbles(measured, mesh)
+    boundary = next(iter(measured.values()))[1][0].inputs.shape + (config.model.hidden,)
+    transfer = transfer_cost(mesh, boundary)
+    bubbles = measure_bubbles(measured, mesh, transfer["latency_s"])
     meta = {"pp": pp, "micro_batches": args.micro_batches, "config": args.config, "overrides": args.overrides,
-            "malloc": args.malloc}
+            "malloc": args.malloc, "transfer": transfer}
     for name, measured_bubble in bubbles.items():
         vpp = 2 if name == "interleaved" else 1
         meta[f"bubble {name}"] = measured_bubble | {"formula": bubble_formula(name, pp, args.micro_batches, vpp),
@@ -290,6 +430,24 @@ def main() -> None:
             print(f"{'':12s} idle ms  {idle}")
             means = " ".join(f"{k} {v:.0f}" for k, v in b["mean_ms"].items())
             print(f"{'':12s} mean ms  {means}   formula at these times {b['formula_at_measured_times']:.1%}")
+            print(f"{'':12s} CPU s/step other threads fivefold {b['other_threads_cpu_s']['fivefold']:.3f} torch "
+                  f"{b['other_threads_cpu_s']['torch']:.3f}   busy CPU s per rank "
+                  + " ".join(f"{v:.3f}" for v in b["busy_cpu_s"])
+                  + f"   executor-model bubble with this step's CPU times {b['model_cpu']:.1%}, "
+                  f"wall times {b['model_wall']:.1%}")
+            if name in OURS_ONLY and ours_only_peer.split()[-1] in bubbles:
+                other = bubbles[ours_only_peer.split()[-1]]["model_cpu_step_s"]
+                print(f"{'':12s} step of the CPU-time model {b['model_cpu_step_s']:.3f} s, {ours_only_peer}'s "
+                      f"{other:.3f} s: ratio {other / b['model_cpu_step_s']:.3f} "
+                      "(CPU times: less load-dependent than wall times, not independent of it)")
+            if name not in OURS_ONLY:
+                print(f"{'':12s} ceiling of torch / fivefold time on the same compute, were fivefold's idle only "
+                      f"the CPU-time model's: {gain_ceiling(b['model_cpu'], b['torch']):.3f}")
+        print(f"transfer per micro-batch and boundary: {transfer['bytes']} bytes, latency median "
+              f"{transfer['latency_s'] * 1e3:.3f} ms (min {transfer['latency_min_s'] * 1e3:.3f}), other threads' CPU "
+              f"{transfer['other_threads_cpu_s'] * 1e3:.3f} ms per transfer (both ranks); a consumer waits "
+              f"{transfer['wait_posted_late_s'] * 1e3:.3f} ms for data already sent if its receive is posted at "
+              f"the consumer, {transfer['wait_posted_ahead_s'] * 1e3:.3f} ms if posted ahead")
         path = args.json or os.path.join("runs", f"bench_pp_pp{pp}.json")
         print(f"wrote {write_json([comparison], path)}")
     dist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import types
 
 import pytest
 import torch
@@ -170,6 +171,30 @@ def test_sends_are_posted_once_their_tensor_exists_in_list_order_per_peer():
     assert PipelineRunner._ready_sends(None, st, True) == ()  # type: ignore[arg-type]  # the send of 0 comes first
     st.units[(0, 0)] = "forward 0 ran"
     assert PipelineRunner._ready_sends(None, st, True) == tuple(sends[:2])  # type: ignore[arg-type]
+
+
+def test_receives_are_posted_ahead_in_list_order_per_peer_up_to_the_depth():
+    """On gloo the executor keeps the next receives from each peer posted ahead of their
+    place (the sender's transfer waits for them), in list order, at most RECVS_AHEAD
+    waiting for their consumer; a consumed receive makes room for the next."""
+    from fivefold.parallel.pipeline import RECVS_AHEAD, PipelineRunner, _by_peer, _StepState
+    from fivefold.parallel.schedules import ActionKind, group_steps
+
+    row = build_schedule("interleaved", 2, 4, 2)[0]  # rank 0 receives activations and gradients from 1
+    recvs = [a for a in row if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)]
+    st = _StepState([], torch.zeros(()), torch.zeros(()))
+    st.unposted_recvs = _by_peer(group_steps(row), (ActionKind.RECV_ACT, ActionKind.RECV_GRAD))
+    runner = types.SimpleNamespace(recvs_ahead=RECVS_AHEAD)
+    assert list(st.unposted_recvs[1]) == recvs
+    assert PipelineRunner._early_recvs(runner, st) == tuple(recvs[:RECVS_AHEAD])  # type: ignore[arg-type]
+    for a in recvs[:RECVS_AHEAD]:  # posted: they wait for their consumers
+        st.unposted_recvs[1].popleft()
+        st.recv_peers[(a.kind, a.microbatch, a.chunk)] = 1
+    assert PipelineRunner._early_recvs(runner, st) == ()  # type: ignore[arg-type]
+    del st.recv_peers[(recvs[0].kind, recvs[0].microbatch, recvs[0].chunk)]  # its consumer ran
+    assert PipelineRunner._early_recvs(runner, st) == (recvs[RECVS_AHEAD],)  # type: ignore[arg-type]
+    runner.recvs_ahead = 0  # a coalesced backend: every receive at its place
+    assert PipelineRunner._early_recvs(runner, st) == ()  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

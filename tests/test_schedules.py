@@ -14,6 +14,7 @@ from fivefold.parallel.schedules import (
     ActionKind,
     DeadlockError,
     build_schedule,
+    executor_model,
     group_steps,
     peers,
     rank_chunk_of,
@@ -287,6 +288,44 @@ def test_zero_bubble_is_one_third_of_1f1b(pp, m):
     ofob = simulate(build_schedule("1f1b", pp, m), pp, b_time=2.0)
     assert zb.makespan - zb.ideal == pytest.approx(pp - 1)
     assert zb.bubble == pytest.approx(ofob.bubble / 3)
+
+
+PLAN = {K.FORWARD: 1.0, K.BACKWARD: 2.0, K.BACKWARD_INPUT: 1.0, K.BACKWARD_WEIGHT: 1.0}
+
+
+def _model_makespan(table, pp: int, latency: float = 0.0) -> float:
+    times = executor_model(table, pp, lambda rank, a: PLAN[a.kind], latency)
+    return max((t[-1][1] for t in times if t), default=0.0)
+
+
+def test_executor_model_without_latency_keeps_the_blocking_makespan(case):
+    """With the planned durations and free transfers, posting sends early and waiting for a
+    receive only at its consumer finishes exactly when the blocking simulator does."""
+    _, pp, _, _, table = case
+    assert _model_makespan(table, pp) == pytest.approx(simulate(table, pp, 1.0, 2.0, 1.0).makespan)
+
+
+@pytest.mark.parametrize("name, pp, m, transfers", [
+    ("gpipe", 2, 8, 2), ("gpipe", 4, 8, 6),  # the first micro-batch's way down and back: 2(pp-1)
+    ("1f1b", 2, 4, 4), ("1f1b", 2, 8, 8),  # pp=2 steady state is in lock-step: one per micro-batch
+    ("zb-h1", 2, 8, 4), ("zb-h1", 2, 16, 4),  # deferred W gives the steady state slack
+])
+def test_executor_model_exposes_each_schedules_transfer_latency(name, pp, m, transfers):
+    """How many transfer latencies lie on a schedule's critical path: the share of the measured
+    bubble that transfers can explain."""
+    table = build_schedule(name, pp, m)
+    latency = 0.125
+    added = _model_makespan(table, pp, latency) - _model_makespan(table, pp)
+    assert added == pytest.approx(transfers * latency)
+
+
+def test_executor_model_takes_per_rank_durations():
+    """A rank slower by d per action stretches 1F1B by d per action of its steady state."""
+    table = build_schedule("1f1b", 2, 4)
+    slow = executor_model(table, 2, lambda rank, a: PLAN[a.kind] * (1.5 if rank == 1 else 1.0))
+    assert [len(t) for t in slow] == [8, 8]
+    # rank 1 runs its 4 forwards and backwards back to back once its first input is there
+    assert slow[1][-1][1] == pytest.approx(1.0 + 4 * 1.5 * 3.0)
 
 
 def test_comm_cost_slows_but_does_not_break():

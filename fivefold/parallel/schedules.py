@@ -288,11 +288,21 @@ def _output_key(action: Action, stage: int, last: int) -> tuple[str, int, int] |
 Times = list[tuple[float, float]]  # (start, end) of each compute action of one rank
 
 
-def _planned_times(orders: list[list[Action]], pp: int, vpp: int) -> list[Times]:
-    """(start, end) of every compute action when transfers cost nothing and never wait.
+Duration = Callable[[int, Action], float]  # seconds (or units) of a compute action on a rank
 
-    Each action starts as soon as its rank is free and its input exists.
+
+def _planned_times(
+    orders: list[list[Action]], pp: int, vpp: int, duration: Duration | None = None, latency: float = 0.0
+) -> list[Times]:
+    """(start, end) of every compute action when each starts as soon as its rank is free and
+    its input exists, `latency` after the compute that made it.
+
+    That is the executor's own rule (a send is posted once its tensor exists, a receive is
+    waited for just before the compute that consumes it), so with measured durations and
+    the measured transfer latency this is the executor's step without contention. Tables are
+    planned with `_PLAN_TIME` and no latency.
     """
+    cost = duration or (lambda rank, action: _PLAN_TIME[action.kind])
     last = pp * vpp - 1
     ready: dict[tuple[str, int, int], float] = {}
     times: list[Times] = [[] for _ in range(pp)]
@@ -307,8 +317,8 @@ def _planned_times(orders: list[list[Action]], pp: int, vpp: int) -> list[Times]
                 need = _input_key(action, stage, last)
                 if need is not None and need not in ready:
                     break
-                start = max(clock[rank], ready[need] if need else 0.0)
-                clock[rank] = start + _PLAN_TIME[action.kind]
+                start = max(clock[rank], ready[need] + latency if need else 0.0)
+                clock[rank] = start + cost(rank, action)
                 times[rank].append((start, clock[rank]))
                 out = _output_key(action, stage, last)
                 if out is not None:
@@ -317,6 +327,20 @@ def _planned_times(orders: list[list[Action]], pp: int, vpp: int) -> list[Times]
     if any(len(t) < len(o) for t, o in zip(times, orders)):
         raise RuntimeError("compute orders wait on each other in a cycle")
     return times
+
+
+def executor_model(table: Table, pp: int, duration: Duration, latency: float = 0.0) -> list[Times]:
+    """(start, end) of each rank's compute actions, in list order, as the executor runs
+    `table` on a machine without contention: compute action a of rank r lasts
+    `duration(r, a)` and a transfer arrives `latency` after its tensor exists.
+
+    Unlike :func:`simulate` (a batch blocks until matched), this follows the executor's
+    placement of transfers, so measured per-action times and transfer latency put in here
+    give the step the schedule allows; what a measured step has beyond it is contention.
+    """
+    orders = [[a for a in row if a.kind.is_compute] for row in table]
+    vpp = 1 + max((a.chunk for row in orders for a in row), default=0)
+    return _planned_times(orders, pp, vpp, duration, latency)
 
 
 def _free_at(times: Times, t: float) -> float:
