@@ -120,6 +120,11 @@ class ZeroGradientSync:
         # Stage 3: this rank's shard in the parameters' dtype, which the all-gathers read.
         self.param_shards = [m.to(settings.param_dtype) for m in self._initial] if stage == 3 else []
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
+        # Stages 2-3: where each bucket's reduced shard is kept (allocated once, refilled every
+        # step), and the packing/receive buffers their reductions reuse.
+        self.grad_store: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.scratch = ScratchBuffers()
+        self.in_flight: list[Pending] = []
         self.grad_finalizers: list[GradFinalizer] = []
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
         on_complete = self.gatherer.free_bucket if self.gatherer else None
@@ -158,20 +163,50 @@ class ZeroGradientSync:
                 self.grad_shards[i] = own
 
             return Pending(work, land, keep=(wire,))
-        full = bucket.gather_grads()  # (numel,) packed from .grad, which is then dropped
+        return self._launch_packed(bucket)
+
+    def _launch_packed(self, bucket: FlatBucket) -> Pending:
+        """Stages 2-3: pack the bucket's .grad (then dropped) and reduce-scatter the packed copy.
+
+        The first backward of a step reduces straight into the kept shard; later ones (gradient
+        accumulation) into a scratch shard that is then added. Packing and receive buffers come
+        from `self.scratch` and go back once the reduction has landed; at most two reductions
+        are in flight when a third launches, so the scratch holds two buckets' worth.
+        """
+        while len(self.in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
+            self.in_flight.pop(0).wait()  # long landed, as a rule: two buckets of backward ago
+        i, reduce_dtype, shard_numel = bucket.index, self.settings.reduce_dtype, bucket.numel // bucket.axis.size
+        packed = bucket.gather_grads(out=self.scratch.take(bucket.numel, bucket.dtype, bucket.device))
         for seg in bucket.segments:
             seg.param.grad = None
-        wire = full.to(self.settings.reduce_dtype)
-        out, work = comm.reduce_scatter(wire, bucket.axis, async_op=True, overwrite_input=True)  # wire is dropped after
-        return Pending(work, lambda: self._accumulate_shard(i, out), keep=(wire,))
+        wire = packed
+        if reduce_dtype != bucket.dtype:
+            wire = self.scratch.take(bucket.numel, reduce_dtype, bucket.device).copy_(packed)
+        first = self.grad_shards[i] is None
+        store = self._kept_shard(i, shard_numel, bucket.device)
+        dest = store if first and store.dtype == reduce_dtype else self.scratch.take(shard_numel, reduce_dtype, wire.device)
+        # Two ranks on gloo exchange halves: the peer's copy of this shard lands in `received`.
+        received = self.scratch.take(shard_numel, reduce_dtype, wire.device) if bucket.axis.size == 2 else None
+        work = comm.reduce_scatter_into(dest, wire, bucket.axis, async_op=True, overwrite_input=True, scratch=received)
+        lent = list({id(t): t for t in (packed, wire, dest, received) if t is not None and t is not store}.values())
 
-    def _accumulate_shard(self, i: int, reduced: torch.Tensor) -> None:
-        """Add one backward's reduced shard to the sharded gradient (stored in the parameters' dtype)."""
-        held = self.grad_shards[i]
-        if held is None:
-            self.grad_shards[i] = reduced.to(self.settings.param_dtype)
-        else:
-            held.add_(reduced)
+        def land() -> None:
+            if dest is not store and first:
+                store.copy_(dest)  # the sum, stored in the parameters' dtype
+            elif dest is not store:
+                store.add_(dest)
+            self.grad_shards[i] = store
+            self.scratch.give(*lent)
+
+        pending = Pending(work, _once(land))
+        self.in_flight.append(pending)
+        return pending
+
+    def _kept_shard(self, i: int, numel: int, device: torch.device) -> torch.Tensor:
+        store = self.grad_store[i]
+        if store is None:
+            store = self.grad_store[i] = torch.empty(numel, dtype=self.settings.param_dtype, device=device)
+        return store
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.no_sync()
@@ -182,6 +217,7 @@ class ZeroGradientSync:
         for finalize in self.grad_finalizers:
             finalize()
         self.reducer.finish()
+        self.in_flight = []  # every reduction has landed (the reducer waited for all)
         if self.gatherer:
             self.gatherer.free_all()
 
@@ -238,7 +274,8 @@ class ZeroGradientSync:
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The parameter and gradient storage this rank holds (fivefold.held_memory)."""
         params = [flat_params(b) for b in self.buckets] + self.param_shards
-        grads = [g for g in self.grad_shards if g is not None]
+        # Stages 2-3: the kept shards, held from their first reduction on.
+        grads = [g for g in (self.grad_store if self.stage >= 2 else self.grad_shards) if g is not None]
         if self.stage == 1:
             grads += [flat_grads(b) for b in self.buckets]
         return {"params": params, "grads": grads}
@@ -247,13 +284,60 @@ class ZeroGradientSync:
         """Bytes of the held tensors that are padding, not parameters."""
         full = sum(b.padding for b in self.buckets)  # elements
         shard = sum(max(0, hi - max(lo, b.used)) for b, (lo, hi) in zip(self.buckets, self.ranges))
-        grads_held = any(g is not None for g in self.grad_shards)
+        grads_held = any(g is not None for g in (self.grad_store if self.stage >= 2 else self.grad_shards))
         precision = self.settings.precision
         return {
             "params": (shard if self.stage == 3 else full) * precision.param_bytes,
             "grads": (full if self.stage == 1 else (shard if grads_held else 0)) * precision.grad_bytes,
             "optimizer": shard * precision.optimizer_bytes(),  # Adam's moments (+ the fp32 master)
         }
+
+
+MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: a launch first waits for the oldest beyond this
+
+
+class ScratchBuffers:
+    """Flat buffers that the reductions of stages 2-3 borrow and give back, across buckets and steps.
+
+    Each reduction packs a bucket's gradients and receives the peer's copy of its shard. Fresh
+    buffers for that every backward cost fresh pages (a page fault and a zeroed page each,
+    thousands per step); these are reused instead. `take` lends the smallest free buffer that
+    fits (a view of its first `numel` elements), or allocates one, dropping a free buffer that
+    is too small for the request so the pool does not grow beyond what is lent at once.
+    """
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+        self.lent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a lent view -> (view, its buffer)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        kind = [j for j, b in enumerate(self.free) if b.dtype == dtype and b.device == device]
+        fits = [j for j in kind if self.free[j].numel() >= numel]
+        if fits:
+            buffer = self.free.pop(min(fits, key=lambda j: self.free[j].numel()))
+        else:
+            if kind:  # too small for this request: let it go rather than keep both
+                self.free.pop(max(kind, key=lambda j: self.free[j].numel()))
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+        view = buffer[:numel]
+        self.lent[id(view)] = (view, buffer)  # by identity: meta tensors (dry runs) all share data_ptr 0
+        return view
+
+    def give(self, *views: torch.Tensor) -> None:
+        for view in views:
+            self.free.append(self.lent.pop(id(view))[1])
+
+
+def _once(step: Callable[[], None]) -> Callable[[], None]:
+    """`step`, run on the first call only (a reduction may be waited for early, then again by the reducer)."""
+    done = [False]
+
+    def run() -> None:
+        if not done[0]:
+            done[0] = True
+            step()
+
+    return run
 
 
 def plan_chunk_buckets(chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int) -> list[FlatBucket]:
