@@ -406,6 +406,9 @@ def _unit_buckets(named: list[tuple[str, nn.Parameter]], mesh: Mesh, chunk: int)
     return buckets
 
 
+KEPT_SPARES = 2  # freed unit buffers kept for reuse: the planner's ZeRO-3 buffers (current and prefetched layer)
+
+
 class _GatherBeforeBackward(torch.autograd.Function):
     """Identity on a unit's outputs whose backward first gathers the unit's parameters."""
 
@@ -430,6 +433,12 @@ class ParameterGatherer:
     way, with the unit whose backward follows issued ahead. All-gathers write straight into
     the flat storage the parameters view. The reducer frees each bucket once all its
     gradients have arrived.
+
+    Freeing moves the storage's memory into a spare (the storage object stays, with size 0,
+    so every view and saved tensor keeps it), and a gather moves a spare of the right size
+    back in. Up to `KEPT_SPARES` freed buffers are kept for the next gathers: giving them
+    back to the allocator and asking again costs fresh pages every gather (page faults and
+    zeroing, and heap trimming that makes the compute's own allocations fault too).
     """
 
     def __init__(self, units: list[Unit], shards: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
@@ -437,6 +446,7 @@ class ParameterGatherer:
         self.shard_of = {id(b): s for b, s in zip(buckets, shards)}
         self.status = {id(b): "full" for b in buckets}
         self.works: dict[int, Any] = {}
+        self.spares: list[torch.UntypedStorage] = []  # freed units' memory, oldest first
         for unit in units:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
@@ -447,7 +457,7 @@ class ParameterGatherer:
         for b in unit.buckets:
             if self.status[id(b)] == "free":
                 flat = flat_params(b)
-                flat.untyped_storage().resize_(b.numel * flat.element_size())
+                flat.untyped_storage()._swap_data_ptr_(self._spare(b.numel * flat.element_size(), flat.device))
                 self.works[id(b)] = comm.all_gather_into(flat, self.shard_of[id(b)], b.axis, async_op=True)
                 self.status[id(b)] = "gathering"
 
@@ -468,8 +478,20 @@ class ParameterGatherer:
 
     def free_bucket(self, b: FlatBucket) -> None:
         self._wait(b)
-        flat_params(b).untyped_storage().resize_(0)
+        flat = flat_params(b)
+        if flat.untyped_storage().nbytes():
+            spare = torch.UntypedStorage(0, device=flat.device)
+            flat.untyped_storage()._swap_data_ptr_(spare)  # the memory moves into `spare`; the storage is empty
+            self.spares.append(spare)
+            del self.spares[:-KEPT_SPARES]
         self.status[id(b)] = "free"
+
+    def _spare(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        """A kept spare of exactly `nbytes` (the most recently freed), or new memory."""
+        for j in reversed(range(len(self.spares))):
+            if self.spares[j].nbytes() == nbytes and self.spares[j].device == device:
+                return self.spares.pop(j)
+        return torch.UntypedStorage(nbytes, device=device)
 
     def free_unit(self, unit: Unit) -> None:
         for b in unit.buckets:
