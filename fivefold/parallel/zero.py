@@ -14,8 +14,9 @@ them, and (stages 1-2) all-gathers the updated parameters into the flat buffer.
 - Stage 3: parameters are sharded too. Each transformer block, plus the rest of a chunk
   (embedding, final norm, head) as its "root" unit, is gathered before its forward and
   freed after it, gathered again when the gradient reaches its output, and freed once all
-  its parameter gradients are in (which launches their reduce-scatter). The next unit's
-  gather is prefetched while the current one computes. Freeing resizes the flat storage to
+  its parameter gradients are in (which launches their reduce-scatter). The root and the
+  last block stay gathered from their forward to their backward, which follows at once.
+  The next unit's gather is prefetched while the current one computes. Freeing resizes the flat storage to
   zero, so tensors saved for backward that view it are refilled by the next gather.
 
 Precision (fivefold.precision): the flat parameter buffers, the gathered parameters and
@@ -370,7 +371,8 @@ class Unit:
     module: nn.Module
     buckets: list[FlatBucket]
     next_forward: "Unit | None" = None  # the unit whose forward follows, within the chunk
-    next_backward: "Unit | None" = None  # the unit whose backward follows
+    next_backward: "Unit | None" = None  # the unit to gather ahead when this one's backward begins
+    kept_for_backward: bool = False  # stays gathered from its forward to its backward (see build_units)
     extra: dict = field(default_factory=dict)
 
 
@@ -378,6 +380,12 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
     """Units in forward order: per chunk its root (embedding, norm, head), then each block.
 
     A chunk without `layers` is one unit. Each unit has one padded bucket per data axis.
+    The root and the last block are kept gathered from their forward to their backward (as
+    FSDP2 keeps its root): the root's forward ends the chunk's forward and its backward starts
+    the chunk's backward, right after the last block's forward, so freeing either and gathering
+    it again at once would be pure cost (the root is full through the whole forward and, with
+    the embedding's gradient last, the whole backward anyway). The root's backward therefore
+    gathers ahead the block before the last.
     """
     units: list[Unit] = []
     for c, chunk in enumerate(chunks):
@@ -391,8 +399,12 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
         chunk_units = [Unit(name, module, _unit_buckets(named, mesh, c)) for name, module, named in members if named]
         for a, b in zip(chunk_units, chunk_units[1:]):
             a.next_forward, b.next_backward = b, a
-        if root and len(chunk_units) > 1:  # the head's backward comes first, then the last block's
-            chunk_units[0].next_backward = chunk_units[-1]
+        if chunk_units:
+            chunk_units[-1].kept_for_backward = True
+        if root and chunk_units:
+            chunk_units[0].kept_for_backward = True
+            # the head's backward comes first, then the last block's (kept): gather the one before it
+            chunk_units[0].next_backward = chunk_units[-2] if len(chunk_units) > 2 else None
         units += chunk_units
     return units
 
@@ -428,8 +440,8 @@ class ParameterGatherer:
 
     A bucket is "free" (flat storage of size 0), "gathering" (an all-gather in flight) or
     "full". Hooks: before a unit's forward, issue the next unit's gather and then wait for
-    this one (so the next is queued before this unit computes); after it, free it and hang
-    `_GatherBeforeBackward` on its outputs; that backward makes the unit full again the same
+    this one (so the next is queued before this unit computes); after it, free it (unless it
+    is kept for its backward) and hang `_GatherBeforeBackward` on its outputs; that backward makes the unit full again the same
     way, with the unit whose backward follows issued ahead. All-gathers write straight into
     the flat storage the parameters view. The reducer frees each bucket once all its
     gradients have arrived.
@@ -518,12 +530,19 @@ class ParameterGatherer:
             self.ensure_full(unit, then=unit.next_backward)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            self.free_unit(unit)
-            if torch.is_grad_enabled():
+            backward_follows = torch.is_grad_enabled() and _requires_grad(output)
+            if not (unit.kept_for_backward and backward_follows):
+                self.free_unit(unit)
+            if backward_follows:
                 return _wrap_outputs(output, before_backward)
             return output
 
         return hook
+
+
+def _requires_grad(output: Any) -> bool:
+    items = output if isinstance(output, (tuple, list)) else [output]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in items)
 
 
 def _wrap_outputs(output: Any, callback: Callable[[], None]) -> Any:
