@@ -469,7 +469,7 @@ class ParameterGatherer:
         for b in unit.buckets:
             if self.status[id(b)] == "free":
                 flat = flat_params(b)
-                flat.untyped_storage()._swap_data_ptr_(self._spare(b.numel * flat.element_size(), flat.device))
+                _swap_memory(flat.untyped_storage(), self._spare(b.numel * flat.element_size(), flat.device))
                 self.works[id(b)] = comm.all_gather_into(flat, self.shard_of[id(b)], b.axis, async_op=True)
                 self.status[id(b)] = "gathering"
 
@@ -493,7 +493,7 @@ class ParameterGatherer:
         flat = flat_params(b)
         if flat.untyped_storage().nbytes():
             spare = torch.UntypedStorage(0, device=flat.device)
-            flat.untyped_storage()._swap_data_ptr_(spare)  # the memory moves into `spare`; the storage is empty
+            _swap_memory(flat.untyped_storage(), spare)  # the memory moves into `spare`; the storage is empty
             self.spares.append(spare)
             del self.spares[:-KEPT_SPARES]
         self.status[id(b)] = "free"
@@ -538,6 +538,12 @@ class ParameterGatherer:
             return output
 
         return hook
+
+
+def _swap_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory (pointer and size) of two storage objects; every tensor keeps its own
+    storage object, so views of `a` see `b`'s former memory. A private torch method (no type stub)."""
+    a._swap_data_ptr_(b)  # type: ignore[attr-defined]
 
 
 def _requires_grad(output: Any) -> bool:
