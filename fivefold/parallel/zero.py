@@ -126,10 +126,13 @@ class ZeroGradientSync:
         self.grad_store: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.scratch = ScratchBuffers()
         self.in_flight: list[Pending] = []
+        self.packing: dict[int, tuple[torch.Tensor, set[int]]] = {}  # bucket index -> (buffer, segments packed)
         self.grad_finalizers: list[GradFinalizer] = []
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
         on_complete = self.gatherer.free_bucket if self.gatherer else None
         defer = lambda: bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
+        if stage >= 2:  # registered first: the reducer's hook may launch the bucket this gradient completes
+            self._pack_on_arrival()
         self.reducer = BucketReducer(self.buckets, self._launch, on_complete, defer, per_backward=stage >= 2)
         if self.gatherer:
             self.gatherer.free_all()
@@ -166,8 +169,51 @@ class ZeroGradientSync:
             return Pending(work, land, keep=(wire,))
         return self._launch_packed(bucket)
 
+    def _pack_on_arrival(self) -> None:
+        for bucket in self.buckets:
+            for k in range(len(bucket.segments)):
+                bucket.segments[k].param.register_post_accumulate_grad_hook(self._packer(bucket, k))
+
+    def _packer(self, bucket: FlatBucket, k: int) -> Callable[[torch.Tensor], None]:
+        """Stages 2-3: copy each gradient into its bucket's packing buffer as soon as autograd has
+        it and drop the .grad (as DeepSpeed's stage 2 does), so a bucket's worth of separate
+        gradients never lives at once. Not while finalizers are registered: they need the full
+        .grad until finish_grad_sync, and the bucket is packed from .grad at launch then."""
+        seg = bucket.segments[k]
+
+        def hook(param: torch.Tensor) -> None:
+            if self.grad_finalizers or param.grad is None:
+                return
+            if bucket.index not in self.packing:
+                self.packing[bucket.index] = (self.scratch.take(bucket.numel, bucket.dtype, bucket.device), set())
+            packed, done = self.packing[bucket.index]
+            target = packed[seg.start : seg.end]
+            if k in done:  # a second accumulation in one backward: add, as .grad would have
+                target.add_(param.grad.reshape(-1))
+            else:
+                target.copy_(param.grad.reshape(-1))
+                done.add(k)
+            param.grad = None
+
+        return hook
+
+    def _packed_grads(self, bucket: FlatBucket) -> torch.Tensor:
+        """The bucket's gradients packed flat: what arrived by hook, the rest from .grad or zeros."""
+        packed, done = self.packing.pop(bucket.index, (None, set()))
+        if packed is None:
+            return bucket.gather_grads(out=self.scratch.take(bucket.numel, bucket.dtype, bucket.device))
+        packed[bucket.used :].zero_()
+        for k, seg in enumerate(bucket.segments):
+            if k in done:
+                continue
+            if seg.param.grad is not None:
+                packed[seg.start : seg.end].copy_(seg.param.grad.reshape(-1))
+            else:
+                packed[seg.start : seg.end].zero_()
+        return packed
+
     def _launch_packed(self, bucket: FlatBucket) -> Pending:
-        """Stages 2-3: pack the bucket's .grad (then dropped) and reduce-scatter the packed copy.
+        """Stages 2-3: reduce-scatter the bucket's packed gradients (the .grad are dropped).
 
         The first backward of a step reduces straight into the kept shard; later ones (gradient
         accumulation) into a scratch shard that is then added. Packing and receive buffers come
@@ -177,7 +223,7 @@ class ZeroGradientSync:
         while len(self.in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
             self.in_flight.pop(0).wait()  # long landed, as a rule: two buckets of backward ago
         i, reduce_dtype, shard_numel = bucket.index, self.settings.reduce_dtype, bucket.numel // bucket.axis.size
-        packed = bucket.gather_grads(out=self.scratch.take(bucket.numel, bucket.dtype, bucket.device))
+        packed = self._packed_grads(bucket)
         for seg in bucket.segments:
             seg.param.grad = None
         wire = packed
