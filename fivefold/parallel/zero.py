@@ -121,8 +121,8 @@ class ZeroGradientSync:
         # Stage 3: this rank's shard in the parameters' dtype, which the all-gathers read.
         self.param_shards = [m.to(settings.param_dtype) for m in self._initial] if stage == 3 else []
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
-        # Stages 2-3: where each bucket's reduced shard is kept (allocated once, refilled every
-        # step), and the packing/receive buffers their reductions reuse.
+        # Stages 2-3: where each bucket's reduced shard is kept (from its first reduction in a step
+        # to zero_grad), and the packing/receive buffers their reductions reuse within a step.
         self.grad_store: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.scratch = ScratchBuffers()
         self.in_flight: list[Pending] = []
@@ -295,6 +295,10 @@ class ZeroGradientSync:
 
     def zero_grad(self) -> None:
         self.grad_shards = [None] * len(self.buckets)
+        # Stages 2-3: the reduced shards and the scratch buffers are given up between steps, so
+        # that the next forward (the activations' peak) runs without them.
+        self.grad_store = [None] * len(self.buckets)
+        self.scratch.free.clear()
         for bucket in self.buckets:
             if self.stage == 1:
                 flat_grads(bucket).zero_()
@@ -344,11 +348,11 @@ MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: a launch first waits for the oldest 
 
 
 class ScratchBuffers:
-    """Flat buffers that the reductions of stages 2-3 borrow and give back, across buckets and steps.
+    """Flat buffers that the reductions of stages 2-3 borrow and give back, across the buckets of a step.
 
     Each reduction packs a bucket's gradients and receives the peer's copy of its shard. Fresh
-    buffers for that every backward cost fresh pages (a page fault and a zeroed page each,
-    thousands per step); these are reused instead. `take` lends the smallest free buffer that
+    buffers for every bucket cost fresh pages (a page fault and a zeroed page each, thousands
+    per step); these are reused instead, and given up at zero_grad. `take` lends the smallest free buffer that
     fits (a view of its first `numel` elements), or allocates one, dropping a free buffer that
     is too small for the request so the pool does not grow beyond what is lent at once.
     """
