@@ -17,6 +17,10 @@ step (all threads of the process: compute, gloo's, copies), which a loaded machi
 gradient size, alternating: all-reduce, reduce-scatter and all-gather of the same bytes, torch's
 and fivefold's (comm.py, as ZeRO calls them).
 
+`--zero3-floor` times fivefold's dp and ZeRO-3 steps beside dp's step followed by the bare
+all-gathers ZeRO-3 adds to dp's bytes (its backward's gathers), in wall and CPU time: what
+ZeRO-3 would cost if its extra collectives were all it added.
+
 `--floor` times torch DDP, ZeroRedundancyOptimizer and fivefold's dp and ZeRO-1 beside the
 parts of a step alone: each rank's forward + backward + clip + fused AdamW on its local batch
 with no collective (all parameters, or one ZeRO-1 shard's worth), and the bare collectives of
@@ -237,6 +241,32 @@ def floor_cases(config: Config, sampler: Sampler) -> dict[str, Callable[[], None
     return cases
 
 
+def zero3_floor_cases(config: Config, sampler: Sampler) -> dict[str, Callable[[], None]]:
+    """fivefold's dp and ZeRO-3 steps beside dp's step followed by the bare all-gathers that ZeRO-3
+    moves on top of dp's bytes: its backward gathers every unit again but the kept ones (root and
+    last block), one all-gather per unit bucket of the same size, as ZeRO-3 calls it. dp's step
+    already carries an all-reduce of every gradient (a reduce-scatter and an all-gather's bytes)."""
+    from fivefold.config import Layout
+    from fivefold.parallel import comm
+    from fivefold.parallel.zero import build_units
+
+    cases = {name: make_case(name, config, sampler) for name in ("fivefold-dp", "fivefold-zero3")}
+    mesh = Mesh.build(Layout(dp=dist.get_world_size()))
+    units = build_units([build_model(config.model, config.train.seed)], mesh)
+    regathered = [b for unit in units if not unit.kept_for_backward for b in unit.buckets]
+    buffers = [(torch.zeros(b.numel), torch.zeros(b.numel // b.axis.size), b.axis) for b in regathered]
+    dp_step = make_case("fivefold-dp", config, sampler)  # its own model: the dp case's steps stay its own
+
+    def dp_then_regathers() -> None:
+        dp_step()
+        works = [comm.all_gather_into(full, shard, axis, async_op=True) for full, shard, axis in buffers]
+        for work in works:
+            work.wait()
+
+    cases["fivefold-dp+zero3-regathers"] = dp_then_regathers
+    return cases
+
+
 def leading_share(params: list[torch.nn.Parameter], share: float) -> list[torch.nn.Parameter]:
     """The first parameters holding `share` of all elements (what one ZeRO-1 rank updates)."""
     total, taken, out = sum(p.numel() for p in params), 0, []
@@ -306,6 +336,8 @@ def main() -> None:
     parser.add_argument("--optimizer", action="store_true", help="time one AdamW step: fivefold's against torch's")
     parser.add_argument("--floor", action="store_true",
                         help="the dp and ZeRO-1 steps against their floor (CPU of compute alone + collectives alone)")
+    parser.add_argument("--zero3-floor", action="store_true",
+                        help="fivefold's ZeRO-3 and dp steps beside dp's step plus the bare all-gathers ZeRO-3 adds")
     parser.add_argument("--json", default="runs/bench/dp.json")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.global_batch=8")
     args = parser.parse_args()
@@ -314,7 +346,7 @@ def main() -> None:
     config = load_config("small", args.overrides)
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
-    if args.collectives or args.optimizer or args.floor:
+    if args.collectives or args.optimizer or args.floor or args.zero3_floor:
         run_micro_benchmark(args, config, sampler)
         dist.destroy_process_group()
         return
@@ -339,6 +371,11 @@ def run_micro_benchmark(args, config: Config, sampler: Sampler) -> None:
             cases = floor_cases(config, sampler)
         baseline = "compute"
         title, meta = "data-parallel steps against their floor (dp=2, gloo, small)", {}
+    elif args.zero3_floor:
+        with contextlib.redirect_stdout(sys.stderr if dist.get_rank() else sys.stdout):
+            cases = zero3_floor_cases(config, sampler)
+        baseline = "fivefold-dp"
+        title, meta = "ZeRO-3 against dp's step plus the all-gathers ZeRO-3 adds (dp=2, gloo, small)", {}
     elif args.collectives:
         numel = sum(p.numel() for p in build_model(config.model, config.train.seed).parameters())
         numel -= numel % dist.get_world_size()
@@ -361,6 +398,10 @@ def run_micro_benchmark(args, config: Config, sampler: Sampler) -> None:
             comparison.meta["machine"] = facts
         bench.print_table(comparison)
         print_cpu(results)
+        if args.zero3_floor:
+            comparison.meta["cpu_ratio"] = cpu_ratios(results, baseline)
+            print("CPU time per step vs fivefold-dp (median per-round ratio): "
+                  + ", ".join(f"{n} {r:.3f}" for n, r in comparison.meta["cpu_ratio"].items()))
         if args.floor:
             print_floor(comparison.meta["floor"], facts, results)
         print(f"written {bench.write_json([comparison], args.json)}")

@@ -253,14 +253,16 @@ def pp_calls(act_bytes: int, forward_sends: int, backward_sends: int) -> list[Ca
 
 
 def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batches: int,
-                  gathers_per_micro_batch: int = 2) -> list[Call]:
+                  gathers_per_micro_batch: int = 2, kept_bytes: float = 0.0) -> list[Call]:
     """Data-parallel (ZeRO) collectives of one step for a rank's gradients / parameters.
 
     ZeRO-0: one all-reduce of the gradients per step. ZeRO-1: reduce-scatter of the gradients
     and all-gather of the updated parameters, once per step. ZeRO-2: the gradient
     reduce-scatter runs after every micro-batch (gradients stay sharded), the all-gather once.
     ZeRO-3: all-gather of the parameters for each micro-batch's forward and backward (and
-    recomputation), a gradient reduce-scatter per micro-batch.
+    recomputation), a gradient reduce-scatter per micro-batch. `kept_bytes` of the parameters
+    stay gathered from the forward to the backward (zero.py keeps the chunk's root, i.e.
+    embedding, final norm and head, and its last block): the later gathers leave them out.
     """
     if zero == 0:
         return [Call("all_reduce", grad_bytes, 1, "bwd", "grads")]
@@ -268,16 +270,23 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
     if zero in (1, 2):
         return [Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads"),
                 Call("all_gather", param_bytes, 1, "step", "updated params")]
-    return [Call("all_gather", param_bytes, gathers_per_micro_batch * micro_batches, "fwd", "params"),
+    if not kept_bytes:
+        return [Call("all_gather", param_bytes, gathers_per_micro_batch * micro_batches, "fwd", "params"),
+                Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads")]
+    return [Call("all_gather", param_bytes, micro_batches, "fwd", "params"),
+            Call("all_gather", param_bytes - kept_bytes, (gathers_per_micro_batch - 1) * micro_batches, "bwd",
+                 "params not kept from the forward"),
             Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads")]
 
 
 def dp_comm_bytes_per_step(elements: int, n: int, stage: int, micro_batches: int = 1,
-                           policy: "PrecisionPolicy | None" = None) -> int:
+                           policy: "PrecisionPolicy | None" = None, kept_elements: int = 0) -> int:
     """Ring bytes one rank sends on the data-parallel axis in one optimizer step for `elements`
     gradient/parameter elements (padding to a multiple of n included): gradients travel in the
-    policy's reduction dtype, parameters in their own (fp32 for both without a policy)."""
+    policy's reduction dtype, parameters in their own (fp32 for both without a policy).
+    `kept_elements`: ZeRO-3 parameters kept gathered from the forward to the backward."""
     grad_bytes = elements * (policy.reduce_bytes if policy else 4)
     param_bytes = elements * (policy.param_bytes if policy else 4)
-    calls = dp_step_calls(stage, grad_bytes, param_bytes, micro_batches)
+    kept_bytes = kept_elements * (policy.param_bytes if policy else 4)
+    calls = dp_step_calls(stage, grad_bytes, param_bytes, micro_batches, kept_bytes=kept_bytes)
     return int(sum(total_wire_bytes(calls, n).values()))

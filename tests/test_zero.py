@@ -20,8 +20,19 @@ def check_memory_and_comm(config, per_rank: list[dict]) -> None:
         for kind, expected in zero_formula_bytes(psi, n, stage).items():
             assert abs(held[kind] - expected) <= 0.01 * expected, (layout, kind, held, expected)
         assert result["bucket_elements"] == psi  # the tiny model needs no padding for n <= 8
-        analytic = dp_comm_bytes_per_step(result["bucket_elements"], n, stage, layout.grad_accum)
+        kept = kept_for_backward_elements(config) if stage == 3 else 0
+        analytic = dp_comm_bytes_per_step(result["bucket_elements"], n, stage, layout.grad_accum, kept_elements=kept)
         assert result["dp_bytes"] == STEPS * analytic, (layout, result["dp_bytes"], analytic)
+
+
+def kept_for_backward_elements(config) -> int:
+    """ZeRO-3 keeps the root (embedding, final norm, head) and the last block gathered from
+    each forward to its backward, so the backward's all-gathers leave them out."""
+    from fivefold.model import build_model
+
+    last = f"layers.{config.model.layers - 1}."
+    named = build_model(config.model, config.train.seed).named_parameters()
+    return sum(p.numel() for name, p in named if not name.startswith("layers.") or name.startswith(last))
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -212,3 +223,51 @@ def test_zero_reduces_and_gathers_in_place(pools, stage):
         if stage == 1:
             assert r["shards_in_place"] and all(r["shards_in_place"])
     assert torch.equal(results[0]["flat"], results[1]["flat"])
+
+
+def _buffers_in_a_backward(ctx, stage: int) -> dict:
+    """A ZeRO-2/3 step, then a forward and backward: the scratch buffers (and stage 3's spares)
+    after it, and which units hold their full parameters right after the forward."""
+    from fivefold.data import Sampler, load_tokenizer, load_tokens
+    from fivefold.layout import validate
+    from fivefold.train import build, train_step
+
+    config = validate(tiny(dp=2, zero=stage, bucket_mb=0.05), 2)
+    model = build(config, ctx.mesh(config.layout), torch.device("cpu"))
+    sync = model.optimizer.sync
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, 0)
+
+    train_step(model, sampler, 0)
+    full_after_forward = {}
+    if sync.gatherer:
+        tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(ctx.rank))
+        logits, _ = model.chunks[0](tokens)
+        full_after_forward = {
+            u.name: all(b.params.untyped_storage().nbytes() > 0 for b in u.buckets) for u in sync.units
+        }
+    else:
+        logits, _ = model.chunks[0](torch.randint(0, 256, (1, 16)))
+    logits.float().pow(2).mean().backward()
+    model.optimizer.finish_grad_sync()
+    spares = len(sync.gatherer.spares) if sync.gatherer else 0
+    return {"scratch": len(sync.scratch.free), "buckets": len(sync.buckets), "lent": len(sync.scratch.lent),
+            "spares": spares, "full_after_forward": full_after_forward, "units": [u.name for u in sync.units]}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero23_reuse_their_buffers_and_keep_root_and_last_block_for_backward(pools, stage):
+    """The reductions of a backward share a few packing and receive buffers (one of each per
+    reduction in flight, not one per bucket; none stays lent), stage 3 keeps at most two freed
+    unit buffers, and after a forward only the root and the last block are still gathered
+    (their backward follows)."""
+    from fivefold.parallel.zero import MAX_REDUCTIONS_IN_FLIGHT
+
+    for r in pools.run(2, _buffers_in_a_backward, stage):
+        assert r["lent"] == 0 and 0 < r["scratch"] <= 2 * (MAX_REDUCTIONS_IN_FLIGHT + 1), r
+        assert stage == 3 or r["scratch"] < 2 * r["buckets"], r  # stage 2 here has many small buckets
+        assert r["spares"] <= 2
+        if stage == 3:
+            root, *blocks = r["units"]
+            kept = {name for name, full in r["full_after_forward"].items() if full}
+            assert kept == {root, blocks[-1]}, kept

@@ -229,7 +229,8 @@ def reduce_scatter(
 
 
 def reduce_scatter_into(
-    out: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False, overwrite_input: bool = False
+    out: torch.Tensor, full: torch.Tensor, axis: Axis, async_op: bool = False, overwrite_input: bool = False,
+    scratch: torch.Tensor | None = None,
 ):
     """Sum the flat `full` over the axis into the caller's flat buffer `out` (full.numel() / n).
 
@@ -242,6 +243,8 @@ def reduce_scatter_into(
     copies the slice out), so on gloo: two ranks swap halves and add (half an all-reduce's
     bytes); more ranks all-reduce `full` in place when it may be overwritten. Either gives the
     all-reduce's sum bit for bit (for two ranks it is one addition, which commutes).
+    `scratch`: a flat buffer of out.numel() elements the two-rank exchange may receive into
+    (a caller that reduces every step keeps one instead of a fresh allocation per call).
     """
     n = axis.size
     if full.numel() != n * out.numel():
@@ -252,7 +255,7 @@ def reduce_scatter_into(
         return None
     record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
     if _emulates_sharded_collectives(axis) and n == 2:
-        return _reduce_scatter_by_exchange(out, full, axis, record, async_op)
+        return _reduce_scatter_by_exchange(out, full, axis, record, async_op, scratch)
     if overwrite_input and _emulates_sharded_collectives(axis):
         work = _landed(axis, record, dist.all_reduce(full, op=dist.ReduceOp.SUM, group=axis.group, async_op=async_op))
         own = full.view(-1).chunk(n)[axis.rank]
@@ -264,7 +267,8 @@ def reduce_scatter_into(
 
 
 def _reduce_scatter_by_exchange(
-    out: torch.Tensor, full: torch.Tensor, axis: Axis, record: CollectiveRecord, async_op: bool
+    out: torch.Tensor, full: torch.Tensor, axis: Axis, record: CollectiveRecord, async_op: bool,
+    scratch: torch.Tensor | None = None,
 ) -> Any:
     """Two ranks: send the peer its half of `full`, receive the peer's copy of ours, add.
 
@@ -272,7 +276,7 @@ def _reduce_scatter_by_exchange(
     both ranks), so two exchanges in flight never take each other's messages."""
     halves = full.view(-1).chunk(2)
     own, theirs = halves[axis.rank], halves[1 - axis.rank]
-    received = torch.empty_like(own)
+    received = torch.empty_like(own) if scratch is None else scratch.view(-1)
     peer, tag = axis.global_rank(1 - axis.rank), record.seq % (1 << 31)
     works = dist.batch_isend_irecv([
         dist.P2POp(dist.isend, theirs, peer, group=axis.group, tag=tag),

@@ -147,9 +147,9 @@ class FlatBucket:
                 view.zero_()
                 seg.param.grad = view
 
-    def gather_grads(self) -> torch.Tensor:
-        """A new flat (numel,) tensor of the parameters' current .grad (zeros where None)."""
-        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+    def gather_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A flat (numel,) tensor of the parameters' current .grad (zeros where None): `out`, or a new one."""
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device) if out is None else out
         flat[self.used :].zero_()
         for seg in self.segments:
             if seg.param.grad is not None:

@@ -14,8 +14,9 @@ them, and (stages 1-2) all-gathers the updated parameters into the flat buffer.
 - Stage 3: parameters are sharded too. Each transformer block, plus the rest of a chunk
   (embedding, final norm, head) as its "root" unit, is gathered before its forward and
   freed after it, gathered again when the gradient reaches its output, and freed once all
-  its parameter gradients are in (which launches their reduce-scatter). The next unit's
-  gather is prefetched while the current one computes. Freeing resizes the flat storage to
+  its parameter gradients are in (which launches their reduce-scatter). The root and the
+  last block stay gathered from their forward to their backward, which follows at once.
+  The next unit's gather is prefetched while the current one computes. Freeing resizes the flat storage to
   zero, so tensors saved for backward that view it are refilled by the next gather.
 
 Precision (fivefold.precision): the flat parameter buffers, the gathered parameters and
@@ -120,10 +121,18 @@ class ZeroGradientSync:
         # Stage 3: this rank's shard in the parameters' dtype, which the all-gathers read.
         self.param_shards = [m.to(settings.param_dtype) for m in self._initial] if stage == 3 else []
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
+        # Stages 2-3: where each bucket's reduced shard is kept (from its first reduction in a step
+        # to zero_grad), and the packing/receive buffers their reductions reuse within a step.
+        self.grad_store: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.scratch = ScratchBuffers()
+        self.in_flight: list[Pending] = []
+        self.packing: dict[int, tuple[torch.Tensor, set[int]]] = {}  # bucket index -> (buffer, segments packed)
         self.grad_finalizers: list[GradFinalizer] = []
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
         on_complete = self.gatherer.free_bucket if self.gatherer else None
         defer = lambda: bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
+        if stage >= 2:  # registered first: the reducer's hook may launch the bucket this gradient completes
+            self._pack_on_arrival()
         self.reducer = BucketReducer(self.buckets, self._launch, on_complete, defer, per_backward=stage >= 2)
         if self.gatherer:
             self.gatherer.free_all()
@@ -159,20 +168,93 @@ class ZeroGradientSync:
                 self.grad_shards[i] = own
 
             return Pending(work, land, keep=(wire,))
-        full = bucket.gather_grads()  # (numel,) packed from .grad, which is then dropped
+        return self._launch_packed(bucket)
+
+    def _pack_on_arrival(self) -> None:
+        for bucket in self.buckets:
+            for k in range(len(bucket.segments)):
+                bucket.segments[k].param.register_post_accumulate_grad_hook(self._packer(bucket, k))
+
+    def _packer(self, bucket: FlatBucket, k: int) -> Callable[[torch.Tensor], None]:
+        """Stages 2-3: copy each gradient into its bucket's packing buffer as soon as autograd has
+        it and drop the .grad (as DeepSpeed's stage 2 does), so a bucket's worth of separate
+        gradients never lives at once. Not while finalizers are registered: they need the full
+        .grad until finish_grad_sync, and the bucket is packed from .grad at launch then."""
+        seg = bucket.segments[k]
+
+        def hook(param: torch.Tensor) -> None:
+            if self.grad_finalizers or param.grad is None:
+                return
+            if bucket.index not in self.packing:
+                self.packing[bucket.index] = (self.scratch.take(bucket.numel, bucket.dtype, bucket.device), set())
+            packed, done = self.packing[bucket.index]
+            target = packed[seg.start : seg.end]
+            if k in done:  # a second accumulation in one backward: add, as .grad would have
+                target.add_(param.grad.reshape(-1))
+            else:
+                target.copy_(param.grad.reshape(-1))
+                done.add(k)
+            param.grad = None
+
+        return hook
+
+    def _packed_grads(self, bucket: FlatBucket) -> torch.Tensor:
+        """The bucket's gradients packed flat: what arrived by hook, the rest from .grad or zeros."""
+        packed, done = self.packing.pop(bucket.index, (None, set()))
+        if packed is None:
+            return bucket.gather_grads(out=self.scratch.take(bucket.numel, bucket.dtype, bucket.device))
+        packed[bucket.used :].zero_()
+        for k, seg in enumerate(bucket.segments):
+            if k in done:
+                continue
+            if seg.param.grad is not None:
+                packed[seg.start : seg.end].copy_(seg.param.grad.reshape(-1))
+            else:
+                packed[seg.start : seg.end].zero_()
+        return packed
+
+    def _launch_packed(self, bucket: FlatBucket) -> Pending:
+        """Stages 2-3: reduce-scatter the bucket's packed gradients (the .grad are dropped).
+
+        The first backward of a step reduces straight into the kept shard; later ones (gradient
+        accumulation) into a scratch shard that is then added. Packing and receive buffers come
+        from `self.scratch` and go back once the reduction has landed; at most two reductions
+        are in flight when a third launches, so the scratch holds two buckets' worth.
+        """
+        while len(self.in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
+            self.in_flight.pop(0).wait()  # long landed, as a rule: two buckets of backward ago
+        i, reduce_dtype, shard_numel = bucket.index, self.settings.reduce_dtype, bucket.numel // bucket.axis.size
+        packed = self._packed_grads(bucket)
         for seg in bucket.segments:
             seg.param.grad = None
-        wire = full.to(self.settings.reduce_dtype)
-        out, work = comm.reduce_scatter(wire, bucket.axis, async_op=True, overwrite_input=True)  # wire is dropped after
-        return Pending(work, lambda: self._accumulate_shard(i, out), keep=(wire,))
+        wire = packed
+        if reduce_dtype != bucket.dtype:
+            wire = self.scratch.take(bucket.numel, reduce_dtype, bucket.device).copy_(packed)
+        first = self.grad_shards[i] is None
+        store = self._kept_shard(i, shard_numel, bucket.device)
+        dest = store if first and store.dtype == reduce_dtype else self.scratch.take(shard_numel, reduce_dtype, wire.device)
+        # Two ranks on gloo exchange halves: the peer's copy of this shard lands in `received`.
+        received = self.scratch.take(shard_numel, reduce_dtype, wire.device) if bucket.axis.size == 2 else None
+        work = comm.reduce_scatter_into(dest, wire, bucket.axis, async_op=True, overwrite_input=True, scratch=received)
+        lent = list({id(t): t for t in (packed, wire, dest, received) if t is not None and t is not store}.values())
 
-    def _accumulate_shard(self, i: int, reduced: torch.Tensor) -> None:
-        """Add one backward's reduced shard to the sharded gradient (stored in the parameters' dtype)."""
-        held = self.grad_shards[i]
-        if held is None:
-            self.grad_shards[i] = reduced.to(self.settings.param_dtype)
-        else:
-            held.add_(reduced)
+        def land() -> None:
+            if dest is not store and first:
+                store.copy_(dest)  # the sum, stored in the parameters' dtype
+            elif dest is not store:
+                store.add_(dest)
+            self.grad_shards[i] = store
+            self.scratch.give(*lent)
+
+        pending = Pending(work, _once(land))
+        self.in_flight.append(pending)
+        return pending
+
+    def _kept_shard(self, i: int, numel: int, device: torch.device) -> torch.Tensor:
+        store = self.grad_store[i]
+        if store is None:
+            store = self.grad_store[i] = torch.empty(numel, dtype=self.settings.param_dtype, device=device)
+        return store
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.reducer.no_sync()
@@ -186,6 +268,7 @@ class ZeroGradientSync:
         for finalize in self.grad_finalizers:
             finalize()
         self.reducer.finish()
+        self.in_flight = []  # every reduction has landed (the reducer waited for all)
         if self.gatherer:
             self.gatherer.free_all()
 
@@ -216,6 +299,10 @@ class ZeroGradientSync:
 
     def zero_grad(self) -> None:
         self.grad_shards = [None] * len(self.buckets)
+        # Stages 2-3: the reduced shards and the scratch buffers are given up between steps, so
+        # that the next forward (the activations' peak) runs without them.
+        self.grad_store = [None] * len(self.buckets)
+        self.scratch.free.clear()
         for bucket in self.buckets:
             if self.stage == 1:
                 bucket.release_grads_()
@@ -240,7 +327,8 @@ class ZeroGradientSync:
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The parameter and gradient storage this rank holds (fivefold.held_memory)."""
         params = [flat_params(b) for b in self.buckets] + self.param_shards
-        grads = [g for g in self.grad_shards if g is not None]
+        # Stages 2-3: the kept shards, held from their first reduction on.
+        grads = [g for g in (self.grad_store if self.stage >= 2 else self.grad_shards) if g is not None]
         if self.stage == 1:
             grads += [flat_grads(b) for b in self.buckets]
         return {"params": params, "grads": grads}
@@ -249,13 +337,60 @@ class ZeroGradientSync:
         """Bytes of the held tensors that are padding, not parameters."""
         full = sum(b.padding for b in self.buckets)  # elements
         shard = sum(max(0, hi - max(lo, b.used)) for b, (lo, hi) in zip(self.buckets, self.ranges))
-        grads_held = any(g is not None for g in self.grad_shards)
+        grads_held = any(g is not None for g in (self.grad_store if self.stage >= 2 else self.grad_shards))
         precision = self.settings.precision
         return {
             "params": (shard if self.stage == 3 else full) * precision.param_bytes,
             "grads": (full if self.stage == 1 else (shard if grads_held else 0)) * precision.grad_bytes,
             "optimizer": shard * precision.optimizer_bytes(),  # Adam's moments (+ the fp32 master)
         }
+
+
+MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: a launch first waits for the oldest beyond this
+
+
+class ScratchBuffers:
+    """Flat buffers that the reductions of stages 2-3 borrow and give back, across the buckets of a step.
+
+    Each reduction packs a bucket's gradients and receives the peer's copy of its shard. Fresh
+    buffers for every bucket cost fresh pages (a page fault and a zeroed page each, thousands
+    per step); these are reused instead, and given up at zero_grad. `take` lends the smallest free buffer that
+    fits (a view of its first `numel` elements), or allocates one, dropping a free buffer that
+    is too small for the request so the pool does not grow beyond what is lent at once.
+    """
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+        self.lent: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a lent view -> (view, its buffer)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        kind = [j for j, b in enumerate(self.free) if b.dtype == dtype and b.device == device]
+        fits = [j for j in kind if self.free[j].numel() >= numel]
+        if fits:
+            buffer = self.free.pop(min(fits, key=lambda j: self.free[j].numel()))
+        else:
+            if kind:  # too small for this request: let it go rather than keep both
+                self.free.pop(max(kind, key=lambda j: self.free[j].numel()))
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+        view = buffer[:numel]
+        self.lent[id(view)] = (view, buffer)  # by identity: meta tensors (dry runs) all share data_ptr 0
+        return view
+
+    def give(self, *views: torch.Tensor) -> None:
+        for view in views:
+            self.free.append(self.lent.pop(id(view))[1])
+
+
+def _once(step: Callable[[], None]) -> Callable[[], None]:
+    """`step`, run on the first call only (a reduction may be waited for early, then again by the reducer)."""
+    done = [False]
+
+    def run() -> None:
+        if not done[0]:
+            done[0] = True
+            step()
+
+    return run
 
 
 def plan_chunk_buckets(chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int) -> list[FlatBucket]:
@@ -288,7 +423,8 @@ class Unit:
     module: nn.Module
     buckets: list[FlatBucket]
     next_forward: "Unit | None" = None  # the unit whose forward follows, within the chunk
-    next_backward: "Unit | None" = None  # the unit whose backward follows
+    next_backward: "Unit | None" = None  # the unit to gather ahead when this one's backward begins
+    kept_for_backward: bool = False  # stays gathered from its forward to its backward (see build_units)
     extra: dict = field(default_factory=dict)
 
 
@@ -296,6 +432,12 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
     """Units in forward order: per chunk its root (embedding, norm, head), then each block.
 
     A chunk without `layers` is one unit. Each unit has one padded bucket per data axis.
+    The root and the last block are kept gathered from their forward to their backward (as
+    FSDP2 keeps its root): the root's forward ends the chunk's forward and its backward starts
+    the chunk's backward, right after the last block's forward, so freeing either and gathering
+    it again at once would be pure cost (the root is full through the whole forward and, with
+    the embedding's gradient last, the whole backward anyway). The root's backward therefore
+    gathers ahead the block before the last.
     """
     units: list[Unit] = []
     for c, chunk in enumerate(chunks):
@@ -309,8 +451,12 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
         chunk_units = [Unit(name, module, _unit_buckets(named, mesh, c)) for name, module, named in members if named]
         for a, b in zip(chunk_units, chunk_units[1:]):
             a.next_forward, b.next_backward = b, a
-        if root and len(chunk_units) > 1:  # the head's backward comes first, then the last block's
-            chunk_units[0].next_backward = chunk_units[-1]
+        if chunk_units:
+            chunk_units[-1].kept_for_backward = True
+        if root and chunk_units:
+            chunk_units[0].kept_for_backward = True
+            # the head's backward comes first, then the last block's (kept): gather the one before it
+            chunk_units[0].next_backward = chunk_units[-2] if len(chunk_units) > 2 else None
         units += chunk_units
     return units
 
@@ -322,6 +468,9 @@ def _unit_buckets(named: list[tuple[str, nn.Parameter]], mesh: Mesh, chunk: int)
         buckets.append(make_bucket(members, axis, axis.size))
         buckets[-1].extra["group"] = chunk
     return buckets
+
+
+KEPT_SPARES = 2  # freed unit buffers kept for reuse: the planner's ZeRO-3 buffers (current and prefetched layer)
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
@@ -343,11 +492,17 @@ class ParameterGatherer:
 
     A bucket is "free" (flat storage of size 0), "gathering" (an all-gather in flight) or
     "full". Hooks: before a unit's forward, issue the next unit's gather and then wait for
-    this one (so the next is queued before this unit computes); after it, free it and hang
-    `_GatherBeforeBackward` on its outputs; that backward makes the unit full again the same
+    this one (so the next is queued before this unit computes); after it, free it (unless it
+    is kept for its backward) and hang `_GatherBeforeBackward` on its outputs; that backward makes the unit full again the same
     way, with the unit whose backward follows issued ahead. All-gathers write straight into
     the flat storage the parameters view. The reducer frees each bucket once all its
     gradients have arrived.
+
+    Freeing moves the storage's memory into a spare (the storage object stays, with size 0,
+    so every view and saved tensor keeps it), and a gather moves a spare of the right size
+    back in. Up to `KEPT_SPARES` freed buffers are kept for the next gathers: giving them
+    back to the allocator and asking again costs fresh pages every gather (page faults and
+    zeroing, and heap trimming that makes the compute's own allocations fault too).
     """
 
     def __init__(self, units: list[Unit], shards: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
@@ -355,6 +510,7 @@ class ParameterGatherer:
         self.shard_of = {id(b): s for b, s in zip(buckets, shards)}
         self.status = {id(b): "full" for b in buckets}
         self.works: dict[int, Any] = {}
+        self.spares: list[torch.UntypedStorage] = []  # freed units' memory, oldest first
         for unit in units:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
@@ -365,7 +521,7 @@ class ParameterGatherer:
         for b in unit.buckets:
             if self.status[id(b)] == "free":
                 flat = flat_params(b)
-                flat.untyped_storage().resize_(b.numel * flat.element_size())
+                _swap_memory(flat.untyped_storage(), self._spare(b.numel * flat.element_size(), flat.device))
                 self.works[id(b)] = comm.all_gather_into(flat, self.shard_of[id(b)], b.axis, async_op=True)
                 self.status[id(b)] = "gathering"
 
@@ -386,8 +542,20 @@ class ParameterGatherer:
 
     def free_bucket(self, b: FlatBucket) -> None:
         self._wait(b)
-        flat_params(b).untyped_storage().resize_(0)
+        flat = flat_params(b)
+        if flat.untyped_storage().nbytes():
+            spare = torch.UntypedStorage(0, device=flat.device)
+            _swap_memory(flat.untyped_storage(), spare)  # the memory moves into `spare`; the storage is empty
+            self.spares.append(spare)
+            del self.spares[:-KEPT_SPARES]
         self.status[id(b)] = "free"
+
+    def _spare(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        """A kept spare of exactly `nbytes` (the most recently freed), or new memory."""
+        for j in reversed(range(len(self.spares))):
+            if self.spares[j].nbytes() == nbytes and self.spares[j].device == device:
+                return self.spares.pop(j)
+        return torch.UntypedStorage(nbytes, device=device)
 
     def free_unit(self, unit: Unit) -> None:
         for b in unit.buckets:
@@ -414,12 +582,25 @@ class ParameterGatherer:
             self.ensure_full(unit, then=unit.next_backward)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            self.free_unit(unit)
-            if torch.is_grad_enabled():
+            backward_follows = torch.is_grad_enabled() and _requires_grad(output)
+            if not (unit.kept_for_backward and backward_follows):
+                self.free_unit(unit)
+            if backward_follows:
                 return _wrap_outputs(output, before_backward)
             return output
 
         return hook
+
+
+def _swap_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory (pointer and size) of two storage objects; every tensor keeps its own
+    storage object, so views of `a` see `b`'s former memory. A private torch method (no type stub)."""
+    a._swap_data_ptr_(b)  # type: ignore[attr-defined]
+
+
+def _requires_grad(output: Any) -> bool:
+    items = output if isinstance(output, (tuple, list)) else [output]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in items)
 
 
 def _wrap_outputs(output: Any, callback: Callable[[], None]) -> Any:

@@ -142,19 +142,22 @@ def pp_sends(m: ModelSpec, lay: LayoutSpec, ab: int, stage: int, tied_vocab_byte
 
 
 def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: float,
-             ranks_dense: int, ranks_expert: int) -> list[Collective]:
+             ranks_dense: int, ranks_expert: int, kept: tuple[float, float] = (0.0, 0.0)) -> list[Collective]:
     """Data-parallel (ZeRO) collectives for ``dense`` and ``expert`` parameters held here.
 
     ``param_b``: bytes per parameter gathered (ZeRO-1/2/3); ``grad_b``: per gradient element
-    reduced (the precision policy's reduction dtype).
+    reduced (the precision policy's reduction dtype); ``kept``: the (non-expert, expert)
+    parameters ZeRO-3 keeps gathered from the forward to the backward.
     """
     out: list[Collective] = []
     span = lay.tp * lay.cp * lay.dp
     gathers = 3 if lay.recompute == "full" else 2
-    for what, psi, n in (("non-expert", dense, ranks_dense), ("expert", expert, ranks_expert)):
+    for what, psi, psi_kept, n in (("non-expert", dense, kept[0], ranks_dense),
+                                   ("expert", expert, kept[1], ranks_expert)):
         if n <= 1 or psi == 0:
             continue
-        calls = volumes.dp_step_calls(lay.zero, psi * grad_b, psi * param_b, lay.num_micro_batches, gathers)
+        calls = volumes.dp_step_calls(lay.zero, psi * grad_b, psi * param_b, lay.num_micro_batches, gathers,
+                                      psi_kept * param_b)
         out += [c._replace(what=f"{what} {c.what}") for c in _collectives("dp", calls, n, span)]
     return out
 

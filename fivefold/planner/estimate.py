@@ -308,6 +308,15 @@ def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -
     return dense, expert
 
 
+def _kept_for_backward(ctx: _Ctx, first: bool, last: bool) -> tuple[float, float]:
+    """(non-expert, expert) parameters ZeRO-3 keeps gathered from the forward to the backward:
+    the root (embedding, final norm, head) and the last layer (parallel/zero.py). ZeRO-3 runs
+    without pipeline stages, so the stage's last layer is the model's."""
+    root, _ = _params_here(ctx, first, last, 0, 0)
+    last_layer = ctx.costs[ctx.m.is_moe_layer(ctx.m.layers - 1)]
+    return root + last_layer.dense_params, last_layer.expert_params
+
+
 def _stage_activations(ctx: _Ctx, groups: list[tuple[int, int, int]]) -> list[int]:
     """Saved-activation bytes at the peak of each (stage, dense layers, MoE layers) in ``groups``."""
     lay = ctx.lay
@@ -439,7 +448,8 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
              + cp_layers(m, lay, ab, n_layers * mbs) + ep_layers(m, lay, ab, n_moe * mbs)
              + pp_sends(m, lay, ab, s, tied))
-    dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep)
+    kept = _kept_for_backward(ctx, first, last) if lay.zero == 3 and n_layers else (0.0, 0.0)
+    dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep, kept)
     comm_time = {a: 0.0 for a in AXES}
     for c in inner + dp:
         comm_time[c.axis] += c.time(hw)
