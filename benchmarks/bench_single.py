@@ -313,6 +313,22 @@ def print_op_profile(ops: dict[str, dict[str, tuple[float, float]]], steps: int,
         print(f"  {kind:22s} " + " | ".join(f"{t:.3f}" for t in totals))
     print("  total                  " + " | ".join(
         f"{sum(t for _, t in case.values()) / steps:.3f}" for case in ops.values()))
+    print_rest_budget(ops, steps)
+
+
+def print_rest_budget(ops: dict[str, dict[str, tuple[float, float]]], steps: int, target: float = 1.05) -> None:
+    """What 'everything else' may cost fivefold for `target` x transformers' speed, with the
+    matrix products and attention costing what they cost transformers (same calls, same shapes)."""
+    if "fivefold" not in ops or "transformers" not in ops:
+        return
+    def by_kind(case: str, kind: str) -> float:
+        return sum(t for op, (_, t) in ops[case].items() if op_kind(op) == kind) / steps
+
+    theirs_total = sum(t for _, t in ops["transformers"].values()) / steps
+    shared = sum(by_kind("transformers", kind) for kind in OP_KINDS)
+    print(f"for {target:.2f}x transformers with its matrix products and attention ({shared:.3f} s), everything "
+          f"else must fit in {theirs_total / target - shared:.3f} s per step: fivefold's takes "
+          f"{by_kind('fivefold', 'everything else'):.3f} s, transformers' {by_kind('transformers', 'everything else'):.3f} s")
 
 
 class CpuClock:
