@@ -6,7 +6,10 @@ of the embedded corpus, with the same loss normalisation, gradient clipping, Ada
 hyper-parameters, dtype and torch thread count. fivefold runs its real training step
 (`fivefold.train.build` + `train_step`); transformers runs the usual loop (forward, cross
 entropy, backward, `clip_grad_norm_`, fused `torch.optim.AdamW.step`, `zero_grad`). A second pair
-of cases times forward + backward only, without the optimizer.
+of cases times forward + backward only, without an optimizer step. Both sides hold the same
+tensors in both pairs: the model and its AdamW state (fivefold allocates the state when it
+builds the model; transformers' optimizer is given its state up front), so that the memory
+measured per case compares like with like.
 
 A fp32 (or bf16) GEMM of the model's largest matmul shape is timed in the same rounds, so
 model FLOPs utilisation (fivefold.metrics) is stated against the FLOP/s this machine
@@ -112,7 +115,23 @@ def hf_optimizer(hf: torch.nn.Module, config: Config) -> torch.optim.AdamW:
         {"params": [p for _, p in named if decays(p.dim())], "weight_decay": t.weight_decay},
         {"params": [p for _, p in named if not decays(p.dim())], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
+    allocate_adamw_state(opt)
+    return opt
+
+
+def allocate_adamw_state(opt: torch.optim.AdamW) -> None:
+    """Allocate now what AdamW's first step would (a step count and two moments per parameter,
+    as torch's fused AdamW initialises them): fivefold's optimizer allocates its state when it
+    is built, so with this both sides hold the same tensors in every case, including forward +
+    backward only, where no optimizer steps."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            opt.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
 
 
 def hf_loss(hf, inputs: torch.Tensor, targets: torch.Tensor, config: Config) -> torch.Tensor:
@@ -236,34 +255,81 @@ def check_same_model(model: ParallelModel, hf, sampler: Sampler) -> dict:
 # --- reporting --------------------------------------------------------------------------------
 
 
+# Op kinds of the profile's summary: the matrix products both models run with the same
+# shapes, the attention kernels, and the rest (element-wise, reductions, copies, optimizer).
+OP_KINDS = {
+    "matrix products": ("aten::mm", "aten::addmm", "aten::bmm"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+}
+
+
 def profile_ops(cases: dict[str, Callable[[], None]], rounds: int) -> dict[str, dict[str, tuple[float, float]]]:
-    """Per case, {op: (calls, self CPU seconds)} per call of the case, over `rounds` alternated calls."""
+    """Per case, {op: (calls, self CPU seconds)} per call of the case over `rounds` alternated
+    calls: the calls' median, the seconds' minimum (another process taking the core only ever
+    adds time, so the fastest round is the closest to the op's own cost)."""
     from torch.profiler import ProfilerActivity, profile
 
-    totals: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
+    samples: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 fn()
-            for event in prof.key_averages():
-                entry = totals[name].setdefault(event.key, [0.0, 0.0])
-                entry[0] += event.count
-                entry[1] += event.self_cpu_time_total / 1e6
-    return {name: {op: (c / rounds, s / rounds) for op, (c, s) in ops.items()} for name, ops in totals.items()}
+            seen = {event.key: (float(event.count), event.self_cpu_time_total / 1e6) for event in prof.key_averages()}
+            for op in set(seen) | set(samples[name]):
+                samples[name].setdefault(op, []).append(seen.get(op, (0.0, 0.0)))
+    return {
+        name: {op: (statistics.median(c for c, _ in values), min(t for _, t in values))
+               for op, values in ops.items()}
+        for name, ops in samples.items()
+    }
+
+
+def op_kind(op: str) -> str:
+    return next((kind for kind, names in OP_KINDS.items() if op in names), "everything else")
 
 
 def print_op_profile(ops: dict[str, dict[str, tuple[float, float]]], steps: int, top: int = 30) -> None:
-    """The `top` ops by self CPU time in any case, the cases side by side, per training step."""
+    """The `top` ops by self CPU time in any case, the ops whose call counts differ, and the
+    time by op kind, the cases side by side, per training step."""
     def cost(op: str) -> float:
         return max(case.get(op, (0.0, 0.0))[1] for case in ops.values())
 
-    names = sorted({op for case in ops.values() for op in case}, key=lambda op: -cost(op))
-    print("self CPU per train step, by op (calls, seconds): " + " | ".join(ops))
-    for op in names[:top]:
+    def row(op: str) -> str:
         cells = [case.get(op, (0.0, 0.0)) for case in ops.values()]
-        print(f"{op[:58]:58s} " + " | ".join(f"{c / steps:6.0f} {t / steps:8.3f}" for c, t in cells))
-    print("total self CPU s per step: " + " | ".join(
-        f"{name} {sum(t for _, t in case.values()) / steps:.3f}" for name, case in ops.items()))
+        return f"{op[:58]:58s} " + " | ".join(f"{c / steps:6.0f} {t / steps:8.4f}" for c, t in cells)
+
+    names = sorted({op for case in ops.values() for op in case}, key=lambda op: -cost(op))
+    header = " | ".join(ops)
+    print(f"self CPU per train step, by op (calls: median, seconds: fastest round): {header}")
+    for op in names[:top]:
+        print(row(op))
+    differ = [op for op in names if len({round(case.get(op, (0.0, 0.0))[0]) for case in ops.values()}) > 1]
+    print(f"ops called a different number of times (calls, seconds): {header}")
+    for op in differ:
+        print(row(op))
+    print(f"self CPU s per step by kind: {header}")
+    for kind in (*OP_KINDS, "everything else"):
+        totals = [sum(t for op, (_, t) in case.items() if op_kind(op) == kind) / steps for case in ops.values()]
+        print(f"  {kind:22s} " + " | ".join(f"{t:.3f}" for t in totals))
+    print("  total                  " + " | ".join(
+        f"{sum(t for _, t in case.values()) / steps:.3f}" for case in ops.values()))
+    print_rest_budget(ops, steps)
+
+
+def print_rest_budget(ops: dict[str, dict[str, tuple[float, float]]], steps: int, target: float = 1.05) -> None:
+    """What 'everything else' may cost fivefold for `target` x transformers' speed, with the
+    matrix products and attention costing what they cost transformers (same calls, same shapes)."""
+    if "fivefold" not in ops or "transformers" not in ops:
+        return
+    def by_kind(case: str, kind: str) -> float:
+        return sum(t for op, (_, t) in ops[case].items() if op_kind(op) == kind) / steps
+
+    theirs_total = sum(t for _, t in ops["transformers"].values()) / steps
+    shared = sum(by_kind("transformers", kind) for kind in OP_KINDS)
+    print(f"for {target:.2f}x transformers with its matrix products and attention ({shared:.3f} s), everything "
+          f"else must fit in {theirs_total / target - shared:.3f} s per step: fivefold's takes "
+          f"{by_kind('fivefold', 'everything else'):.3f} s, transformers' {by_kind('transformers', 'everything else'):.3f} s")
 
 
 class CpuClock:

@@ -9,7 +9,14 @@ from torch.utils.checkpoint import checkpoint
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (T, head_dim), or (B, T, head_dim) for per-sequence positions (B, T).
+    """The tables `apply_rope` takes: cos and signed sin, (T, head_dim), or (B, T, head_dim)
+    for per-sequence positions (B, T).
+
+    "Rotate half" pairs dimension i with i + d/2: (x1, x2) -> x * cos + (-x2, x1) * sin. The
+    signed sin table is (-sin, sin) over the two halves, so that (-x2, x1) * sin is
+    (x2, x1) * signed sin, and (x2, x1) is a roll of x by d/2: one pass over x where neg and
+    cat take two, in the forward and in the backward alike. Negating is exact, so the results
+    are bit for bit those of x * cos + rotate_half(x) * sin.
 
     Positions are passed in, not assumed to be 0..T-1, so a rank holding a segment of a longer
     sequence (context parallel) rotates its tokens by their global positions, and packed
@@ -17,20 +24,17 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, d/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (T, d): the "rotate half" layout
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, d) by the tables (T, d) or per-sequence tables (B, T, d)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, d) by the tables of `rope_tables`, (T, d) or per sequence (B, T, d)."""
     if cos.dim() == 3:  # one table per sequence: broadcast over the heads
-        cos, sin = cos[:, None], sin[:, None]
-    return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)).to(x.dtype)
+        cos, signed_sin = cos[:, None], signed_sin[:, None]
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)
+    # In place on the two new products (autograd saves the tables, not them): two buffers, not four.
+    return (x * cos.to(x.dtype)).add_(rolled.mul_(signed_sin.to(x.dtype)))
 
 
 def document_causal_mask(query_docs: torch.Tensor, key_docs: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ sequences (None for a dense stage).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import torch
@@ -24,6 +25,49 @@ from .init import initial_value
 from .moe import ROUTING_COUNTERS, MoE
 
 
+def _without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on `device` (nothing to turn off where autocast does not exist, e.g. meta)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """weight * x * rsqrt(mean(x^2) + eps) over the last dim, with a hand-derived backward.
+
+    The forward is the usual one, op for op. Autograd would differentiate it through pow,
+    mean, rsqrt and two products (about a dozen passes over the activations); the closed form
+    below takes six, and the same maths: with n = x * rstd and g the incoming gradient,
+        d weight = sum over tokens of g * n
+        d x      = rstd * (g * weight - n * mean(g * weight * n))
+    It saves what autograd saved: the fp32 input, rstd, n in the input's dtype, the weight.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses precision otherwise.
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        normalised = (xf * rstd).to(x.dtype)
+        ctx.save_for_backward(xf, rstd, normalised, weight)
+        ctx.input_dtype = x.dtype
+        return weight * normalised
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        xf, rstd, normalised, weight = ctx.saved_tensors
+        width = xf.shape[-1]
+        grad_times_n = grad * normalised
+        grad_weight = grad_times_n.reshape(-1, width).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, grad_weight, None
+        with _without_autocast(grad.device):  # in fp32, even if the backward runs under autocast
+            projection = (grad_times_n.float() @ weight.float()).unsqueeze(-1) / width  # mean(g weight n)
+        n = normalised if normalised.dtype == torch.float32 else xf * rstd  # n unrounded under bf16
+        grad_x = (grad * weight).float().mul_(rstd).addcmul_(n, rstd * projection, value=-1)  # in place: no new buffers
+        return grad_x.to(ctx.input_dtype), grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -31,10 +75,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 even under bf16 autocast: the mean of squares loses precision otherwise.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):

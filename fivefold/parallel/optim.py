@@ -119,7 +119,10 @@ def adamw_multi_update_(
             tails.append((p, g, m, v))  # updated through the scratch block, whole
             continue
         cut = p.numel() - p.numel() % unit
-        if cut:
+        if cut == p.numel():  # the whole tensor, as it is (no view to make)
+            for out, t in zip(bulks, (p, g, m, v)):
+                out.append(t)
+        elif cut:
             for out, t in zip(bulks, (p, g, m, v)):
                 out.append(t.view(-1)[:cut])
         if cut < p.numel():
