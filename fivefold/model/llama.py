@@ -133,6 +133,10 @@ class Transformer(nn.Module):
             return self.head(x)
         return F.linear(x, self.embed.weight)
 
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head: a method of its own so that train.compile can compile it."""
+        return self.output_logits(self.norm(x))
+
     def forward(
         self, inputs: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -152,7 +156,7 @@ class Transformer(nn.Module):
             if layer_aux is not None:
                 aux = layer_aux if aux is None else aux + layer_aux
         if self.has_head:
-            x = self.output_logits(self.norm(x))
+            x = self.final(x)
         return x, aux
 
     @torch.no_grad()
