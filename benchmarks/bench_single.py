@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="bench_results/single.json")
     p.add_argument("--compile", action="store_true",
                    help="also time fivefold with train.compile=true (each block compiled); reports the compile time")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the step's GEMM, attention and AdamW kernels replayed alone (step_floor.py): "
+                        "transformers' time / that is the largest speed-up any compilation can reach")
     p.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
                    help="after timing, profile ROUNDS alternated train steps of each side and print "
                         "self CPU seconds and calls per aten op, per step (torch.profiler)")
@@ -442,6 +445,10 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
     if args.compile and builds("fivefold+compile train", "fivefold+compile fwd_bwd"):
         compiled, compile_s = compiled_cases(config, sampler, args.steps)
         cases |= {"fivefold+compile train": compiled["train"], "fivefold+compile fwd_bwd": compiled["fwd_bwd"]}
+    if args.floor and hf is not None:
+        from step_floor import floor_case
+
+        cases["floor"] = floor_case(theirs["train"])
     clocks = {name: CpuClock(fn) for name, fn in cases.items()}
     results = alternate(clocks, warmup=args.warmup, rounds=args.rounds)
     cpu = {name: clock.seconds[args.warmup:] for name, clock in clocks.items()}  # drop the warm-up calls
@@ -452,6 +459,13 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
     print_report(comparisons, summary, equivalence, config)
     if compile_s is not None:
         print(f"train.compile: first fwd_bwd call (compilation included) took {compile_s:.1f} s")
+    if "floor" in results:
+        from step_floor import floor_ratios
+
+        for clock, seconds in (("wall", {n: r.seconds for n, r in results.items()}), ("CPU time", cpu)):
+            train = {name: s for name, s in seconds.items() if name.endswith(" train") or name == "floor"}
+            print(f"train step / floor (GEMM, attention and AdamW kernels alone), {clock}, median over rounds: "
+                  + ", ".join(f"{name} {ratio:.3f}" for name, ratio in floor_ratios(train).items()))
     if args.profile:
         profiled = {"fivefold": ours["train"], "transformers": theirs["train"]}
         if args.compile:

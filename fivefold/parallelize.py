@@ -116,6 +116,10 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
         from .parallel.tensor_parallel import vocab_parallel_loss
 
         loss_fn = vocab_parallel_loss(mesh, config)
+    if config.train.compile:
+        from .regional_compile import compile_model_end
+
+        loss_fn = compile_model_end(chunks, loss_fn)
     if layout.cp > 1:
         from .parallel.context_parallel import sequence_sharder
 

@@ -48,6 +48,19 @@ def test_block_computation_compiles_to_one_graph():
     assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
 
 
+def test_final_norm_head_and_loss_compile_to_one_graph_each():
+    from fivefold.model.llama import build_model
+    from fivefold.step import cross_entropy_sum
+
+    config = load_config("tiny", [])
+    model = build_model(config.model, seed=0)
+    x = torch.randn(2, 8, config.model.hidden)
+    targets = torch.randint(0, config.model.vocab_size, (2, 8))
+    for region, args in ((model.final, (x,)), (cross_entropy_sum, (model.final(x), targets))):
+        explanation = torch._dynamo.explain(region)(*args)
+        assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+
+
 def test_compiled_single_process_matches_eager(eager_reference):
     # Two micro-batches give the per-rank shapes of dp=2, so the data-parallel test below
     # finds these graphs in inductor's on-disk cache instead of compiling them again.

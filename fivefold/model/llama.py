@@ -175,6 +175,11 @@ class Transformer(nn.Module):
         assert self.embed is not None  # no head module: tied, so the embedding is here
         return F.linear(x, self.embed.weight)
 
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head: a method of its own so that train.compile can compile it."""
+        assert self.norm is not None  # only the chunk that holds the head has the final norm
+        return self.output_logits(self.norm(x))
+
     def forward(
         self, inputs: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -194,7 +199,7 @@ class Transformer(nn.Module):
             if layer_aux is not None:
                 aux = layer_aux if aux is None else aux + layer_aux
         if self.norm is not None:  # has_head
-            x = self.output_logits(self.norm(x))
+            x = self.final(x)
         return x, aux
 
     @torch.no_grad()
