@@ -105,13 +105,17 @@ def tp_layer_calls(x_bytes: int, sequence_parallel: bool, forward_passes: int = 
     Without sequence parallelism two all-reduces forward (attention and MLP exits) and two
     backward (their entries); with it each becomes an all-gather + reduce-scatter pair
     (Korthikanti et al. 2022, Section 4.2.2). ``forward_passes`` = 2 under full recomputation.
+    The recomputed pass repeats every forward collective but the layer's last (the MLP exit):
+    torch's non-reentrant checkpoint stops recomputing once the tensors saved for backward
+    are rebuilt, and no saved tensor needs the MLP's output.
     """
     f = forward_passes
+    exits = 2 * f - (f - 1)  # the MLP exit runs once
     if not sequence_parallel:
-        return [Call("all_reduce", x_bytes, 2 * f, "fwd", "attention/MLP output"),
+        return [Call("all_reduce", x_bytes, exits, "fwd", "attention/MLP output"),
                 Call("all_reduce", x_bytes, 2, "bwd", "attention/MLP input grad")]
     return [Call("all_gather", x_bytes, 2 * f, "fwd", "norm output to attention/MLP"),
-            Call("reduce_scatter", x_bytes, 2 * f, "fwd", "attention/MLP output"),
+            Call("reduce_scatter", x_bytes, exits, "fwd", "attention/MLP output"),
             Call("reduce_scatter", x_bytes, 2, "bwd", "attention/MLP input grad"),
             Call("all_gather", x_bytes, 2, "bwd", "output grad")]
 

@@ -6,7 +6,9 @@ comm.py) are compared with `fivefold.planner.estimate` for the same layout. The 
 axis (loss reporting, the global gradient norm) is not a parallel axis and is left out.
 Expert parallelism is left out of the exact byte check: its all-to-all volume depends on the
 actual routing, which the planner assumes balanced (test_expert_parallel checks the runtime
-against the volume computed from the real routing counts). These runs are fp32; bf16 with
+against the volume computed from the real routing counts). Full recomputation is covered
+for ZeRO-3 (no extra gather), tp (the recomputed pass stops before the MLP exit), cp and pp.
+These runs are fp32; bf16 with
 fp32 master weights is checked the same way in test_precision.py.
 """
 
@@ -56,7 +58,7 @@ def _planner(config):
     spec = LayoutSpec(
         dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero, vpp=layout.vpp,
         micro_batch=layout.micro_batch, global_batch=config.train.global_batch, schedule=layout.pp_schedule,
-        sequence_parallel=layout.sequence_parallel, cp_kind=layout.cp_algorithm,
+        sequence_parallel=layout.sequence_parallel, cp_kind=layout.cp_algorithm, recompute=layout.recompute,
     )
     precision = PrecisionPolicy.from_train(config.train).name
     return estimate(model_spec(config.model, config.train.seq_len), spec, hardware="cpu", precision=precision)
@@ -68,7 +70,10 @@ LAYOUTS = {
         {"dp": 2, "zero": 1, "grad_accum": 2}, {"dp": 2, "grad_accum": 2}, {"dp": 2, "zero": 2, "grad_accum": 2},
         {"dp": 2, "zero": 3, "grad_accum": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True},
         {"pp": 2, "grad_accum": 2}, {"cp": 2, "cp_algorithm": "ring"}, {"cp": 2, "cp_algorithm": "allgather"},
-        {"cp": 2, "cp_algorithm": "ulysses"},
+        {"cp": 2, "cp_algorithm": "ulysses"}, {"dp": 2, "zero": 3, "recompute": "full"},
+        {"dp": 2, "zero": 3, "recompute": "selective"}, {"tp": 2, "sequence_parallel": True, "recompute": "full"},
+        {"tp": 2, "recompute": "full"}, {"cp": 2, "cp_algorithm": "ring", "recompute": "full"},
+        {"pp": 2, "grad_accum": 2, "recompute": "full"},
     ],
     4: [{"dp": 2, "tp": 2, "zero": 2}, {"tp": 2, "cp": 2, "cp_algorithm": "ring", "sequence_parallel": True},
         {"tp": 4}],  # tiny has 2 kv heads: tp=4 repeats each on 2 ranks

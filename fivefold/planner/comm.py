@@ -24,7 +24,9 @@ head repeated when t > kv (`fivefold.volumes.local_kv_heads`). Per axis:
   `volumes.dp_step_calls` for the bytes of the rank's gradients (in the precision
   policy's reduction dtype) and parameters (in their own dtype; `fivefold.precision`).
 
-Full recomputation repeats each forward collective inside the recomputed layers.
+Full recomputation repeats each forward collective inside the recomputed layers (tp, cp,
+ep). It adds no ZeRO-3 parameter gather: a block recomputes inside its own backward, after
+the gather that backward already made.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: f
     """
     out: list[Collective] = []
     span = lay.tp * lay.cp * lay.dp
-    gathers = 3 if lay.recompute == "full" else 2
+    gathers = 2  # forward and backward; full recomputation runs inside the backward's gather
     for what, psi, psi_kept, n in (("non-expert", dense, kept[0], ranks_dense),
                                    ("expert", expert, kept[1], ranks_expert)):
         if n <= 1 or psi == 0:
