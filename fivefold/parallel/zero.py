@@ -16,8 +16,9 @@ them, and (stages 1-2) all-gathers the updated parameters into the flat buffer.
   freed after it, gathered again when the gradient reaches its output, and freed once all
   its parameter gradients are in (which launches their reduce-scatter). The root and the
   last block stay gathered from their forward to their backward, which follows at once.
-  The next unit's gather is prefetched while the current one computes. Freeing resizes the flat storage to
-  zero, so tensors saved for backward that view it are refilled by the next gather.
+  The next unit's gather is prefetched while the current one computes. Freeing moves the
+  flat storage's memory into a kept spare and leaves the storage empty, so tensors saved for
+  backward that view it are refilled by the next gather (ParameterGatherer).
 
 Precision (fivefold.precision): the flat parameter buffers, the gathered parameters and
 the gradients are in the policy's parameter dtype. The update runs on fp32 master weights:
