@@ -199,6 +199,7 @@ def _zero_lands_in_place(ctx, stage: int) -> dict:
     optimizer.finish_grad_sync = probed_finish
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     train_step(model, Sampler(data.train, config.train.seq_len, config.train.global_batch, 0), 0)
+    optimizer.wait_for_parameters()  # the step leaves its all-gathers in flight
     masters_are_flat = all(
         m.data_ptr() == b.params[lo:hi].data_ptr()
         for m, b, (lo, hi) in zip(optimizer.masters, optimizer.buckets, optimizer.ranges)
@@ -271,3 +272,55 @@ def test_zero23_reuse_their_buffers_and_keep_root_and_last_block_for_backward(po
             root, *blocks = r["units"]
             kept = {name for name, full in r["full_after_forward"].items() if full}
             assert kept == {root, blocks[-1]}, kept
+
+
+def _gathers_waited_at_first_read(ctx, stage: int) -> dict:
+    """A ZeRO-1/2 step, then a forward: which buckets are still being gathered when each read
+    point runs (noted by hooks registered after the waiting ones), and the values a reader sees."""
+    from fivefold.data import Sampler, load_tokenizer, load_tokens
+    from fivefold.layout import validate
+    from fivefold.parallel.zero import forward_read_points
+    from fivefold.train import build, train_step
+
+    config = validate(tiny(dp=2, zero=stage, bucket_mb=0.05), 2)
+    model = build(config, ctx.mesh(config.layout), torch.device("cpu"))
+    sync, chunk = model.optimizer.sync, model.chunks[0]
+    bucket_of = {id(seg.param): b.index for b in sync.buckets for seg in b.segments}
+    seen: list[dict] = []
+
+    def note(params):
+        def record(*_) -> None:
+            read = {bucket_of[id(p)] for p in params}
+            seen.append({"read_in_flight": sorted(read & set(sync.gathers.works)),
+                         "others_in_flight": len(set(sync.gathers.works) - read)})
+        return record
+
+    for module, when, params in forward_read_points(chunk):
+        if when == "before":
+            module.register_forward_pre_hook(note(params))
+        else:
+            module.register_forward_hook(note(params))
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
+    train_step(model, Sampler(data.train, config.train.seq_len, config.train.global_batch, 0), 0)
+    in_flight_after_step = sorted(sync.gathers.works)
+    seen.clear()
+    with torch.no_grad():  # an evaluation forward reads them too
+        chunk(torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0)))
+    model.optimizer.wait_for_parameters()
+    return {"after_step": in_flight_after_step, "order": sync.gathers.order, "buckets": len(sync.buckets),
+            "seen": seen, "flat": torch.cat([b.params for b in sync.buckets])}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_gathers_overlap_the_next_forward(pools, stage):
+    """The step returns with every bucket's all-gather in flight, issued in the order the next
+    forward reads the buckets; each read point (embedding, each block, the head after the last
+    block) finds its own buckets landed while later ones are still in flight, and after the
+    explicit wait both ranks hold the same parameters."""
+    results = pools.run(2, _gathers_waited_at_first_read, stage)
+    for r in results:
+        assert r["after_step"] == sorted(range(r["buckets"])) and r["buckets"] > 2, r
+        assert sorted(r["order"]) == list(range(r["buckets"])) and r["order"] != sorted(r["order"])
+        assert all(not s["read_in_flight"] for s in r["seen"]), r["seen"]
+        assert r["seen"][0]["others_in_flight"] > 0, r["seen"]  # the first reader did not wait for all
+    assert torch.equal(results[0]["flat"], results[1]["flat"])

@@ -87,6 +87,7 @@ def load_into(model: Any, path: Path, manifest: dict[str, Any]) -> int:
     reader = CheckpointReader(path, manifest)
     config = model.config.model
     optimizer = model.optimizer
+    optimizer.wait_for_parameters()  # no gather of an earlier update may land on what is read here
     for chunk in model.chunks:
         for name, tensor in module_state_tensors(chunk, optimizer):
             reader.read_into(tensor, spec_of(get_placement(tensor, name), config), "param")

@@ -63,6 +63,7 @@ def _is_primary(spec: ShardSpec, mesh) -> bool:
 def shard_entries(model: Any) -> list[tuple[str, ShardSpec, torch.Tensor]]:
     """(state, spec, tensor) of every shard this rank is the primary replica of."""
     config, mesh = model.config.model, model.mesh
+    model.optimizer.wait_for_parameters()  # ZeRO-1/2 may still be gathering the last update
     entries = []
     for chunk in model.chunks:
         for name, tensor in module_state_tensors(chunk, model.optimizer):

@@ -571,6 +571,9 @@ class BucketAllReduce:
     def gathered(self) -> Iterator[None]:
         yield  # every rank holds its whole local parameters
 
+    def wait_for_parameters(self) -> None:
+        pass  # every rank updates its whole parameters in place: nothing in flight
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [flat_params(b) for b in self.buckets], "grads": [flat_grads(b) for b in self.buckets]}
 
@@ -656,6 +659,7 @@ class FlatAdamW(Synchronised):
         load_flat_sharded_state(reader, self.buckets, self.state, self.ranges, self.sync.sharded, param_shards=shards)
         if self.owns_parameter_shards:
             self.sync.publish(self.masters)
+            self.sync.wait_for_parameters()  # loading is rare: nothing to overlap, and the caller may read them
 
 
 class DataParallelAdamW(FlatAdamW):

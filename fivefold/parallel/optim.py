@@ -224,6 +224,9 @@ class LocalGradients:
     def gathered(self) -> Iterator[None]:
         yield  # every parameter is whole already
 
+    def wait_for_parameters(self) -> None:
+        pass  # the update writes the parameters in place: nothing in flight
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [], "grads": []}  # the modules' own parameters and .grad
 
@@ -255,6 +258,9 @@ class Synchronised:
 
     def gathered(self) -> contextlib.AbstractContextManager[None]:
         return self.sync.gathered()
+
+    def wait_for_parameters(self) -> None:
+        self.sync.wait_for_parameters()
 
 
 class ReplicatedAdamW(Synchronised):

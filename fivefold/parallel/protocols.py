@@ -62,6 +62,12 @@ class GradientSynchroniser(HoldsTensors, Protocol):
         """Inside, every parameter holds its full local value (ZeRO-3 gathers; others hold them)."""
         ...
 
+    def wait_for_parameters(self) -> None:
+        """Make the parameters this rank holds current: ZeRO-1/2 leave the all-gathers of the
+        updated parameters in flight after the step (the next forward waits for each bucket just
+        before it reads it); anything else that reads or writes parameters calls this first."""
+        ...
+
 
 class CheckpointState(Protocol):
     """The optimizer's part of a checkpoint (what fivefold/checkpoint/ saves and loads)."""
@@ -94,6 +100,8 @@ class TrainingOptimizer(CheckpointState, HoldsTensors, Protocol):
     def finish_grad_sync(self) -> None: ...
 
     def gathered(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def wait_for_parameters(self) -> None: ...
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradients to a global norm of at most max_norm (0: no clipping); return the norm."""

@@ -3,7 +3,10 @@
 Every bucket (see data_parallel.py) is a flat buffer padded to a multiple of its axis size
 n; data-parallel rank r owns the contiguous r-th 1/n of every bucket. It keeps the Adam
 moments of those elements only, receives their gradient sum by reduce-scatter, updates
-them, and (stages 1-2) all-gathers the updated parameters into the flat buffer.
+them, and (stages 1-2) all-gathers the updated parameters into the flat buffer. Those
+all-gathers are left in flight after the step: the next forward waits for each bucket just
+before it first reads it (GathersInFlight), and every other reader of parameters calls
+`wait_for_parameters` first.
 
 - Stage 1: full gradients live in each bucket's flat buffer (the .grad are views); the
   reduce-scatter lands in this rank's slice of it.
@@ -130,6 +133,8 @@ class ZeroGradientSync:
         self.packing: dict[int, tuple[torch.Tensor, set[int]]] = {}  # bucket index -> (buffer, segments packed)
         self.grad_finalizers: list[GradFinalizer] = []
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
+        # Stages 1-2: the all-gathers of the updated parameters, waited for by the next forward.
+        self.gathers = GathersInFlight(chunks, self.buckets) if stage < 3 else None
         on_complete = self.gatherer.free_bucket if self.gatherer else None
         defer = lambda: bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
         if stage >= 2:  # registered first: the reducer's hook may launch the bucket this gradient completes
@@ -270,6 +275,8 @@ class ZeroGradientSync:
             finalize()
         self.reducer.finish()
         self.in_flight = []  # every reduction has landed (the reducer waited for all)
+        # The update next writes this rank's slice, which a gather no forward waited for may still be sending.
+        self.wait_for_parameters()
         if self.gatherer:
             self.gatherer.free_all()
 
@@ -279,24 +286,28 @@ class ZeroGradientSync:
     # ------------------------------------------------------------------ parameters
 
     def publish(self, masters: list[torch.Tensor]) -> None:
-        """Make the parameters the (cast) master weights: all-gather them (stages 1-2), or
-        refresh this rank's shard (stage 3 gathers lazily, before the next forward)."""
+        """Make the parameters the (cast) master weights: issue their all-gathers (stages 1-2;
+        the next forward waits for them, see GathersInFlight), or refresh this rank's shard
+        (stage 3 gathers lazily, before the next forward)."""
         if self.stage == 3:
             for shard, master in zip(self.param_shards, masters):
                 if shard is not master:
                     shard.copy_(master)
             return
-        works = []
-        for bucket, master, (lo, hi) in zip(self.buckets, masters, self.ranges):
+        assert self.gathers is not None
+        self.gathers.wait_all()  # a bucket that no forward read since the last step
+        for i in self.gathers.order:  # the buckets the next forward reads first are gathered first
+            bucket, master, (lo, hi) = self.buckets[i], masters[i], self.ranges[i]
             flat = flat_params(bucket)
             own = flat[lo:hi]
             if master.data_ptr() != own.data_ptr():  # bf16 parameters: the fp32 master, cast into place
                 own.copy_(master)
             # In place: every rank's slice of the flat storage is already where it belongs.
-            works.append(comm.all_gather_into(flat, own, bucket.axis, async_op=True))
-        for work in works:
-            if work is not None:
-                work.wait()
+            self.gathers.issue(i, comm.all_gather_into(flat, own, bucket.axis, async_op=True))
+
+    def wait_for_parameters(self) -> None:
+        if self.gathers is not None:
+            self.gathers.wait_all()
 
     def zero_grad(self) -> None:
         self.grad_shards = [None] * len(self.buckets)
@@ -315,8 +326,9 @@ class ZeroGradientSync:
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Inside, every parameter holds its full local value (stage 3); e.g. for gather_full_state."""
+        """Inside, every parameter holds its full local value; e.g. for gather_full_state."""
         if self.gatherer is None:
+            self.wait_for_parameters()
             yield
             return
         self.gatherer.gather_all()
@@ -345,6 +357,66 @@ class ZeroGradientSync:
             "grads": (full if self.stage == 1 else (shard if grads_held else 0)) * precision.grad_bytes,
             "optimizer": shard * precision.optimizer_bytes(),  # Adam's moments (+ the fp32 master)
         }
+
+
+class GathersInFlight:
+    """Stages 1-2: the all-gathers of the updated parameters, left in flight after the step.
+
+    Waiting for all of them at the end of the step would expose the whole gather; instead each
+    bucket's is waited for just before the next forward first reads one of its parameters (a
+    forward hook per read point, see `forward_read_points`), so the gathers of later buckets
+    overlap the forward of earlier layers. `order` lists the buckets by their first read, the
+    order in which they are gathered. Every other reader of parameters (checkpoints, full
+    parameters, loading) calls `ZeroGradientSync.wait_for_parameters` first.
+    """
+
+    def __init__(self, chunks: list[nn.Module], buckets: list[FlatBucket]) -> None:
+        self.works: dict[int, Any] = {}  # bucket index -> its all-gather in flight
+        bucket_of = {id(seg.param): b.index for b in buckets for seg in b.segments}
+        self.order: list[int] = []
+        for module, when, params in (point for chunk in chunks for point in forward_read_points(chunk)):
+            indices = list(dict.fromkeys(bucket_of[id(p)] for p in params if id(p) in bucket_of))
+            if not indices:
+                continue
+            self.order += [i for i in indices if i not in self.order]
+            if when == "before":
+                module.register_forward_pre_hook(lambda _m, _args, i=indices: self.wait(i))
+            else:
+                module.register_forward_hook(lambda _m, _args, _out, i=indices: self.wait(i))
+        self.order += [b.index for b in buckets if b.index not in self.order]
+
+    def issue(self, index: int, work: Any) -> None:
+        if work is not None:
+            self.works[index] = work
+
+    def wait(self, indices: list[int]) -> None:
+        for i in indices:
+            work = self.works.pop(i, None)
+            if work is not None:
+                work.wait()
+
+    def wait_all(self) -> None:
+        self.wait(list(self.works))
+
+
+def forward_read_points(chunk: nn.Module) -> list[tuple[nn.Module, str, list[nn.Parameter]]]:
+    """(module, "before" or "after" its forward, parameters first read there), in forward order.
+
+    A chunk reads its embedding's parameters first, then each block reads its own, and the rest
+    of the chunk's (final norm, head) are read after the last block. Blocks are the hook points
+    because their forward stays eager under regional compilation (hooks inside a compiled
+    region would break it); a chunk without blocks reads everything at its start.
+    """
+    layers = getattr(chunk, "layers", None)
+    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else []
+    embed = getattr(chunk, "embed", None)
+    first = list(embed.parameters()) if isinstance(embed, nn.Module) else []
+    placed = {id(p) for p in first} | {id(p) for block in blocks for p in block.parameters()}
+    rest = [p for p in chunk.parameters() if id(p) not in placed]
+    points: list[tuple[nn.Module, str, list[nn.Parameter]]] = [(chunk, "before", first)]
+    points += [(block, "before", list(block.parameters())) for block in blocks]
+    points.append((blocks[-1], "after", rest) if blocks else (chunk, "before", rest))
+    return points
 
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: a launch first waits for the oldest beyond this
