@@ -277,6 +277,7 @@ def test_zero23_reuse_their_buffers_and_keep_root_and_last_block_for_backward(po
 def _gathers_waited_at_first_read(ctx, stage: int) -> dict:
     """A ZeRO-1/2 step, then a forward: which buckets are still being gathered when each read
     point runs (noted by hooks registered after the waiting ones), and the values a reader sees."""
+    from fivefold.checkpoint.state import shard_entries
     from fivefold.data import Sampler, load_tokenizer, load_tokens
     from fivefold.layout import validate
     from fivefold.parallel.zero import forward_read_points
@@ -301,13 +302,18 @@ def _gathers_waited_at_first_read(ctx, stage: int) -> dict:
         else:
             module.register_forward_hook(note(params))
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
-    train_step(model, Sampler(data.train, config.train.seq_len, config.train.global_batch, 0), 0)
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, 0)
+    train_step(model, sampler, 0)
+    in_flight_before_save = len(sync.gathers.works)
+    shard_entries(model)  # what a checkpoint saves: it must wait first
+    in_flight_after_save = len(sync.gathers.works)
+    train_step(model, sampler, 1)
     in_flight_after_step = sorted(sync.gathers.works)
     seen.clear()
     with torch.no_grad():  # an evaluation forward reads them too
         chunk(torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0)))
     model.optimizer.wait_for_parameters()
-    return {"after_step": in_flight_after_step, "order": sync.gathers.order, "buckets": len(sync.buckets),
+    return {"save": (in_flight_before_save, in_flight_after_save), "after_step": in_flight_after_step, "order": sync.gathers.order, "buckets": len(sync.buckets),
             "seen": seen, "flat": torch.cat([b.params for b in sync.buckets])}
 
 
@@ -315,10 +321,12 @@ def _gathers_waited_at_first_read(ctx, stage: int) -> dict:
 def test_zero12_gathers_overlap_the_next_forward(pools, stage):
     """The step returns with every bucket's all-gather in flight, issued in the order the next
     forward reads the buckets; each read point (embedding, each block, the head after the last
-    block) finds its own buckets landed while later ones are still in flight, and after the
-    explicit wait both ranks hold the same parameters."""
+    block) finds its own buckets landed while later ones are still in flight; a checkpoint's
+    save waits for all of them first, and after the explicit wait both ranks hold the same
+    parameters."""
     results = pools.run(2, _gathers_waited_at_first_read, stage)
     for r in results:
+        assert r["save"] == (r["buckets"], 0), r["save"]
         assert r["after_step"] == sorted(range(r["buckets"])) and r["buckets"] > 2, r
         assert sorted(r["order"]) == list(range(r["buckets"])) and r["order"] != sorted(r["order"])
         assert all(not s["read_in_flight"] for s in r["seen"]), r["seen"]
