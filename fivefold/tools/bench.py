@@ -17,6 +17,7 @@ size (imports, process group, data) is the baseline subtracted from every case's
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -98,6 +99,18 @@ def _run_measured(case: Callable[[], None], result: CaseResult) -> None:
     peak = peak_rss_mb()
     result.peak_rss_mb = max(result.peak_rss_mb, peak)
     result.extra["step_rise_mb"] = max(result.extra.get("step_rise_mb", 0.0), peak - before)
+
+
+def thread_schedstat() -> tuple[float, float]:
+    """(CPU seconds, seconds runnable but waiting for a core) of the calling thread, from
+    Linux's schedstat; without it, the thread's CPU time and no waiting. The waiting part is
+    what other threads (gloo's, other processes') took from this one."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
 
 
 ALONE_ENV = "FIVEFOLD_BENCH_ALONE"  # the one case this process builds and measures
@@ -266,6 +279,54 @@ def compare(title: str, results: dict[str, CaseResult], baseline: str, meta: dic
     }
     info = {"python": platform.python_version(), "machine": platform.machine()} | (meta or {})
     return Comparison(title, baseline, results, ratios, info)
+
+
+class MedianInterval(NamedTuple):
+    """Where the median of the distribution a benchmark's per-round values come from lies."""
+
+    low: float
+    high: float
+    coverage: float  # the probability that [low, high] holds that median
+
+
+def median_interval(values: list[float], confidence: float = 0.9) -> MedianInterval:
+    """A distribution-free interval for the median: the order statistics x(k) and x(n+1-k),
+    with the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least `confidence`.
+    It assumes only that rounds are independent draws, not that round times are normal (a loaded
+    machine's are not). With too few values for `confidence`, the whole range and its coverage,
+    1 - 2^(1-n): 3 rounds cover the median only 75% of the time, 11 rounds [x(3), x(9)] 93%."""
+    if not values:
+        raise ValueError("median_interval needs at least one value")
+    ordered, n = sorted(values), len(values)
+
+    def coverage(k: int) -> float:
+        below = sum(math.comb(n, i) for i in range(k)) / 2**n  # P(Binomial(n, 1/2) < k)
+        return 1.0 - 2.0 * below
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return MedianInterval(ordered[k - 1], ordered[n - k], coverage(k))
+
+
+TARGET_RATIO = 1.05  # the time ratio (peer / fivefold) every comparison is held to
+
+
+def ceiling_verdict(peer: str, ceilings: list[float], target: float = TARGET_RATIO) -> str:
+    """One line that says whether `target` is out of reach against `peer`, from per-round
+    ceilings (the most any implementation of the same work could gain on the peer, estimated in
+    each round): a limit when the interval of their median lies below `target`; no limit when
+    it lies at or above it (the peer leaves room, or the estimate does on this run); undecided
+    (more rounds needed) when it straddles it."""
+    median, (low, high, cover) = statistics.median(ceilings), median_interval(ceilings)
+    measured = f"ceiling vs {peer} {median:.3f} ({cover:.0%} interval {low:.3f}-{high:.3f}, {len(ceilings)} rounds)"
+    if high < target:
+        return (f"verdict: LIMIT. {measured} < {target}: no implementation of the same work on this machine "
+                f"can be {target}x faster than {peer}")
+    if low >= target:
+        return (f"verdict: NO LIMIT. {measured} >= {target}: {target}x over {peer} is not ruled out; what keeps "
+                "fivefold below it is its own overhead, or this run's load (see the waits above)")
+    return f"verdict: UNDECIDED. {measured} straddles {target}: rerun with more rounds"
 
 
 def print_table(comparison: Comparison) -> None:
