@@ -324,15 +324,17 @@ def limits(name: str, bubble: dict, action_cpu: list[dict], main_cpu: dict[str, 
     """The bubble's verdict and, for a schedule torch runs too, the ceiling of torch / fivefold.
 
     Everything here is CPU time, which load moves little, fed to the executor model (the same
-    timing rule for both sides: an action starts once its rank is free and its input arrived).
-    The floor: the model with fivefold's own per-action CPU times of the median traced step
-    (the same chunks torch runs: the same compute, nothing around it), each transfer arriving
-    one measured latency after its send. Torch's quiet step, per timed round: the same model
-    with each rank's actions stretched to that rank's main-thread CPU for torch's step (its
-    bookkeeping spread over its actions), each transfer costing what a receive posted at its
-    consumer costs (torch posts it there). ceiling = torch's step / the floor: the most any
-    implementation of the same compute and schedule could gain on torch here. The same model
-    with fivefold's own main-thread CPU gives the ratio the CPU times predict."""
+    timing rule for both sides: an action starts once its rank is free and its input arrived),
+    with the per-action CPU times of fivefold's median traced step (the same chunks torch runs).
+    Torch's quiet step, per timed round: the model with each rank's actions stretched to that
+    rank's main-thread CPU for torch's step in that round (its bookkeeping spread over its
+    actions), each transfer costing what a receive posted at its consumer costs (torch posts it
+    there). The floor, per round: the model with each rank's actions stretched to fivefold's
+    main-thread CPU in the same round times the actions' share of it in the traced step (the
+    compute alone, nothing around it, carrying the same round's load), each transfer arriving
+    one measured latency after its send. ceiling = torch's step / the floor: the most any
+    implementation of the same compute and schedule could gain on torch here. The model with
+    fivefold's whole main-thread CPU gives the ratio the CPU times predict."""
     out = {"bubble_verdict": bubble_verdict(bubble["formula"], bubble["model_balanced_per_repeat"],
                                             bubble["model_cpu_per_repeat"], bubble["fivefold"])}
     peer, ours = f"torch {name}", f"fivefold {name}"
@@ -344,15 +346,14 @@ def limits(name: str, bubble: dict, action_cpu: list[dict], main_cpu: dict[str, 
     def step(totals: list[float], latency: float) -> float:
         return model_step(name, pp, m, vpp, scaled_rows(action_cpu, totals), latency)[1]
 
-    floor = model_step(name, pp, m, vpp, action_cpu, transfer["latency_s"])[1]
+    share = bubble["action_share_of_main_cpu"]
+    floors = [step([t * s for t, s in zip(totals, share)], transfer["latency_s"]) for totals in main_cpu[ours]]
     theirs = [step(totals, late) for totals in main_cpu[peer]]
     predicted = [t / step(totals, transfer["latency_s"]) for t, totals in zip(theirs, main_cpu[ours])]
-    ceilings = [t / floor for t in theirs]
-    return out | {"floor_s": floor, "ceiling": ceilings, "verdict": ceiling_verdict(peer, ceilings),
+    ceilings = [t / f for t, f in zip(theirs, floors)]
+    return out | {"floor_s": statistics.median(floors), "ceiling": ceilings, "verdict": ceiling_verdict(peer, ceilings),
                   "cpu_predicted_ratio": predicted,
-                  "main_cpu_over_actions": {who: statistics.median(max(t / sum(row.values())
-                                                                       for t, row in zip(totals, action_cpu))
-                                                                   for totals in main_cpu[who]) for who in (ours, peer)}}
+                  "fivefold_actions_share": share}
 
 
 def _receiving_at_place(runner, step):
@@ -387,13 +388,17 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 5
         for _ in range(repeats):
             model.runner.timeline = CpuTimeline()
             comm.all_reduce(torch.zeros(1), mesh.pp)
+            thread = time.thread_time()
             with _cpu_seconds(mesh, cpu_ff, other_ff):
                 ours()
+            main = time.thread_time() - thread
             timeline, model.runner.timeline = model.runner.timeline, None
             cpu_rows = [None] * mesh.pp.size
-            dist.all_gather_object(cpu_rows, timeline.cpu, group=mesh.pp.group)
+            dist.all_gather_object(cpu_rows, (timeline.cpu, main), group=mesh.pp.group)
+            share = [sum(actions.values()) / spent for actions, spent in cpu_rows]  # the actions' part of the step
+            cpu_rows = [actions for actions, _ in cpu_rows]
             ff.append((_bubble(busy_seconds(timeline.events), timeline.span, mesh.pp), gather_rows(timeline, mesh.pp),
-                       cpu_rows))
+                       cpu_rows, share))
             if theirs is None:
                 tt.append(float("nan"))
                 continue
@@ -404,9 +409,9 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 5
             tt.append(_bubble(busy.seconds, time.perf_counter() - start, mesh.pp))
         vpp, m = model.runner.vpp, model.runner.num_microbatches
         pp = mesh.pp.size
-        models = [model_step(name, pp, m, vpp, cpu_rows_of, latency) for _, _, cpu_rows_of in ff]
-        balanced = [model_step(name, pp, m, vpp, balanced_rows(cpu_rows_of), latency)[0] for _, _, cpu_rows_of in ff]
-        bubble, rows, cpu_rows = sorted(ff, key=lambda triple: triple[0])[repeats // 2]
+        models = [model_step(name, pp, m, vpp, traced[2], latency) for traced in ff]
+        balanced = [model_step(name, pp, m, vpp, balanced_rows(traced[2]), latency)[0] for traced in ff]
+        bubble, rows, cpu_rows, share = sorted(ff, key=lambda traced: traced[0])[repeats // 2]
         wall_rows = [{(e.kind, e.microbatch, e.chunk): e.seconds for e in row if e.kind in COMPUTE_KINDS} for row in rows]
         out[name] = {"fivefold": bubble, "torch": sorted(tt)[repeats // 2], "idle": idle_breakdown(rows),
                      "mean_ms": {kind: 1e3 * statistics.mean(e.seconds for row in rows for e in row if e.kind == kind)
@@ -418,7 +423,7 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 5
                      "model_cpu_per_repeat": [b for b, _ in models],
                      "model_cpu_step_s_per_repeat": [t for _, t in models],
                      "model_balanced_per_repeat": balanced,
-                     "action_cpu_s": cpu_rows,
+                     "action_cpu_s": cpu_rows, "action_share_of_main_cpu": share,
                      "cpu_s": {"fivefold": statistics.median(cpu_ff),
                                "torch": statistics.median(cpu_tt) if cpu_tt else float("nan")},
                      "other_threads_cpu_s": {"fivefold": statistics.median(other_ff),
@@ -558,9 +563,9 @@ def main() -> None:
             print(f"{'':12s} {b['bubble_verdict']}")
             if "ceiling" in b:
                 low, high, _ = median_interval(b["cpu_predicted_ratio"])
-                spent = " ".join(f"{who} {v:.3f}" for who, v in b["main_cpu_over_actions"].items())
-                print(f"{'':12s} floor (executor model on this step's action CPU times) {b['floor_s']:.3f} s; main-thread "
-                      f"CPU per step over the actions' (largest rank): {spent}; torch / fivefold predicted from CPU "
+                share = " ".join(f"{v:.1%}" for v in b["fivefold_actions_share"])
+                print(f"{'':12s} floor (executor model on the actions' CPU times) {b['floor_s']:.3f} s; the actions' share "
+                      f"of fivefold's main-thread CPU per rank {share}; torch / fivefold predicted from CPU "
                       f"{statistics.median(b['cpu_predicted_ratio']):.3f} ({low:.3f}-{high:.3f})")
                 print(f"{'':12s} {b['verdict']}")
         print(f"transfer per micro-batch and boundary: {transfer['bytes']} bytes, latency median "

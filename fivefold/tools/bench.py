@@ -380,18 +380,25 @@ class SuiteEntry:
 
 
 DEEPSPEED_DP_CASES = "deepspeed-zero1,deepspeed-zero2,deepspeed-zero3"
+# Rounds per benchmark. On a shared 2-core machine one round's ratio of the same pair ranged
+# from 0.57 to 1.72 (dp, 3 rounds), so a median of 3 is one draw from a wide spread: 3 rounds
+# hold the true median between their extremes only 75% of the time (`median_interval`), 9-11
+# rounds between their 2nd/3rd-lowest and -highest 93-96% of the time. The rounds are spent
+# where a round is cheap or the rows are close to 1.05 (dp, pp); together they add about
+# 4.5 minutes to a quiet run of `bench all` (13 -> ~18 min, memory pass included).
 SUITE = (
-    SuiteEntry("single", 1, ("--rounds", "5", "--steps", "1", "--threads", "1", "--compile"),
+    SuiteEntry("single", 1, ("--rounds", "9", "--steps", "1", "--threads", "1", "--compile"),
                preload=("transformers.models.llama.modeling_llama", "torch._inductor.compile_fx")),
-    SuiteEntry("dp", 2, ("--rounds", "3"), "--json", ("--skip", DEEPSPEED_DP_CASES),
+    SuiteEntry("dp", 2, ("--rounds", "11"), "--json", ("--skip", DEEPSPEED_DP_CASES),
                preload=("deepspeed", "torch.distributed.fsdp", "torch.distributed.optim")),
-    SuiteEntry("tp", 2, ("--rounds", "3"),
+    SuiteEntry("tp", 2, ("--rounds", "7"),
                memory=(MemoryVariant(("--modes", "sp"), (("sequence_parallel", True),)),
                        MemoryVariant(("--modes", "nosp"), (("sequence_parallel", False),))),
                preload=("torch.distributed.tensor.parallel",)),
-    SuiteEntry("pp", 2, ("--rounds", "3", "--micro-batches", "8"), "--json", preload=("torch.distributed.pipelining",)),
-    SuiteEntry("ep", 2, ("--rounds", "5"), without_deepspeed=("--no-deepspeed",), preload=("deepspeed.moe.layer",)),
-    SuiteEntry("cp", 2, ("--seq", "2048", "--rounds", "3"), preload=("torch.distributed.tensor.experimental",)),
+    SuiteEntry("pp", 2, ("--rounds", "11", "--micro-batches", "8"), "--json",
+               preload=("torch.distributed.pipelining",)),
+    SuiteEntry("ep", 2, ("--rounds", "9"), without_deepspeed=("--no-deepspeed",), preload=("deepspeed.moe.layer",)),
+    SuiteEntry("cp", 2, ("--seq", "2048", "--rounds", "11"), preload=("torch.distributed.tensor.experimental",)),
 )
 PRELOAD_ENV = "FIVEFOLD_BENCH_PRELOAD"  # comma list of modules the launcher imports first
 # The memory pass runs glibc with a fixed mmap threshold: every block of 64 KiB or more is its own
@@ -569,6 +576,7 @@ class HeadlineRow(NamedTuple):
     label: str
     title: str  # the comparison that measured the pair
     time_ratio: float  # other's step time / fivefold's, median over rounds
+    interval: MedianInterval  # where that median lies (`median_interval` of the per-round ratios)
     memory_ratio: float  # other's memory / fivefold's
     memory_alone: bool  # True: held MB of each case measured alone; False: peak RSS in the shared process
     ours_mb: float
@@ -593,9 +601,11 @@ def headline_rows(outcomes: dict[str, list[dict] | str]) -> list[HeadlineRow]:
         for comparison in result if isinstance(result, list) else []:
             cases = comparison["cases"]
             if ours in cases and other in cases:
-                ratio = per_round_ratio(cases[other]["seconds"], cases[ours]["seconds"])
+                per_round = [a / b for a, b in zip(cases[other]["seconds"], cases[ours]["seconds"])]
                 ours_mb, other_mb, alone = pair_memory(cases[ours], cases[other])
-                rows.append(HeadlineRow(label, comparison["title"], ratio, other_mb / max(ours_mb, 1e-9), alone,
+                rows.append(HeadlineRow(label, comparison["title"],
+                                        per_round_ratio(cases[other]["seconds"], cases[ours]["seconds"]),
+                                        median_interval(per_round), other_mb / max(ours_mb, 1e-9), alone,
                                         ours_mb, other_mb))
     return rows
 
@@ -615,13 +625,17 @@ MEMORY_METHOD = (
 def summary_lines(outcomes: dict[str, list[dict] | str]) -> list[str]:
     lines = ["## Summary", "",
              "Time ratio = median over rounds of (other case's step time / fivefold's), both timed in the same "
-             "round: above 1 means fivefold is faster. " + MEMORY_METHOD, "",
-             "| comparison | measured in | time ratio | memory ratio | held MB, fivefold / other |",
-             "|---|---|---|---|---|"]
+             "round: above 1 means fivefold is faster. Interval: where the median of such per-round ratios lies, "
+             "with the probability given (distribution-free, from the rounds' order statistics; more rounds "
+             "narrow it). " + MEMORY_METHOD, "",
+             "| comparison | measured in | time ratio | interval (rounds) | memory ratio | held MB, fivefold / other |",
+             "|---|---|---|---|---|---|"]
     for row in headline_rows(outcomes):
         memory = f"{row.memory_ratio:.2f}" if row.memory_alone else f"{row.memory_ratio:.2f} (shared)"
         held = f"{row.ours_mb:.0f} / {row.other_mb:.0f}" if row.memory_alone else "–"
-        lines.append(f"| {row.label} | {row.title} | {row.time_ratio:.3f} | {memory} | {held} |")
+        low, high, cover = row.interval
+        lines.append(f"| {row.label} | {row.title} | {row.time_ratio:.3f} | {low:.3f}–{high:.3f}, {cover:.0%} "
+                     f"| {memory} | {held} |")
     return lines
 
 
