@@ -26,9 +26,12 @@ parts of a step alone: each rank's forward + backward + clip + fused AdamW on it
 with no collective (all parameters, or one ZeRO-1 shard's worth), and the bare collectives of
 the gradients' bytes. The floor of a step is the CPU of both parts, summed over the ranks, over
 the cores (gloo's sums and copies run on the cores that compute), and never less than one
-rank's compute alone. It prints each step over that floor, the measured assumptions (cores,
-threads, load, CPU on gloo's threads, utilisation), and the highest ratio any implementation
-could reach against each peer on this machine: the peer's step over the floor.
+rank's compute alone. Per round it bounds each step's wall time on a quiet machine from CPU
+seconds and the main threads' waits on collectives (`floor_report`), which load moves little,
+and prints per peer the most any implementation could gain on it (peer's bound / floor), in
+work alone and in wall time, each with a verdict (LIMIT / NO LIMIT / UNDECIDED against 1.05,
+from the interval of the median over rounds), beside the measured assumptions (cores,
+threads, load, CPU on gloo's threads, utilisation).
 
 Every torch peer runs torch's fused AdamW (`fused=True`), the kernel kind fivefold runs.
 """
@@ -484,12 +487,14 @@ def floor_report(results: dict, cpu: dict[str, list[list[float]]], blocked: dict
             row[f"{key}_cpu_over_floor"] = statistics.median(rank_sum(cpu, name, r) / floor_cpu[r] for r in rounds)
             row[f"{key}_utilisation"] = statistics.median(rank_sum(cpu, name, r) / (wall[r] * cores) for r in rounds)
         row["ceiling"] = row["peer_bound_over_floor"]
+        row["cpu_ceiling"] = [round(rank_sum(cpu, peer, r) / floor_cpu[r], 4) for r in rounds]
         row["measured_wall_per_round"] = [round(p / o, 4) for p, o in zip(results[peer].seconds, results[ours].seconds)]
         row["measured_wall"] = statistics.median(row["measured_wall_per_round"])
         row["measured_cpu"] = statistics.median(rank_sum(cpu, peer, r) / rank_sum(cpu, ours, r) for r in rounds)
         row["floor_wall_s"] = statistics.median(floor_wall)
         row["floor_cpu_s_per_rank"] = statistics.median(floor_cpu) / ranks
         row["verdict"] = bench.ceiling_verdict(peer, row["ceiling"])
+        row["cpu_verdict"] = bench.ceiling_verdict(f"{peer} in CPU seconds", row["cpu_ceiling"])
         out[peer] = row
     return out
 
@@ -521,7 +526,8 @@ def print_floor(floor: dict[str, dict], facts: dict, results: dict) -> None:
               f"CPU + blocked, plus {r['fivefold_skew_s']:.3f} s of the ranks waiting for each other, left out), CPU {r['fivefold_cpu_over_floor']:.3f}, wall as measured {r['fivefold_wall_over_floor']:.3f} "
               f"(utilisation {r['fivefold_utilisation']:.2f})")
         print(f"  {peer} / {ours} measured {r['measured_wall']:.3f} wall, {r['measured_cpu']:.3f} CPU")
-        print(f"  {r['verdict']}")
+        print(f"  work alone (CPU, every wait left out): {r['cpu_verdict'].removeprefix('verdict: ')}")
+        print(f"  wall on a quiet machine (CPU + waits on collectives): {r['verdict']}")
 
 
 def keep_cpu_records(results: dict, cpu: dict[str, list[Usage]], warmup: int) -> None:

@@ -29,6 +29,13 @@ work as stretched by contention). The first is the bubble the schedule allows on
 machine; when the second matches the measured bubble, the excess is the actions' uneven
 stretching, not waiting on transfers.
 
+Two verdicts per schedule, from CPU times, which load moves little (`limits`): the bubble's
+(formula, then the executor model on equal stages at the measured F / B times, then on the
+actions' own CPU times, then measured: which of them first leaves the formula + 10%), and the
+ceiling against torch: per timed round, the executor model on torch's main-thread CPU per rank
+over the model on fivefold's compute alone (both stretched to the same round's CPU), against
+1.05, with the interval of its median over rounds.
+
 `--malloc retain` makes glibc keep freed memory (no heap trimming, no mmap per large tensor)
 for every case alike, as jemalloc or tcmalloc would: the zero-bubble schedule keeps each
 micro-batch's (x, dy) from its B to its W step, an allocation pattern for which glibc's

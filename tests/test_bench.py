@@ -239,5 +239,6 @@ def test_the_dp_floor_bound_counts_waits_on_collectives_but_not_one_rank_waiting
     assert ddp["fivefold_bound_over_floor"] == [pytest.approx((2.2 + 0.4) / 2 / 1.1, abs=1e-4)] * rounds
     assert ddp["peer_skew_s"] == pytest.approx(0.3)
     assert ddp["verdict"].startswith("verdict: LIMIT.")
+    assert ddp["cpu_ceiling"] == [pytest.approx(1.0)] * rounds and ddp["cpu_verdict"].startswith("verdict: LIMIT.")
     assert zero1["ceiling"] == [pytest.approx((2.2 + 0.4) / 2 / 1.1, abs=1e-4)] * rounds
     assert zero1["verdict"].startswith("verdict: NO LIMIT.")
