@@ -242,3 +242,29 @@ def test_the_dp_floor_bound_counts_waits_on_collectives_but_not_one_rank_waiting
     assert ddp["cpu_ceiling"] == [pytest.approx(1.0)] * rounds and ddp["cpu_verdict"].startswith("verdict: LIMIT.")
     assert zero1["ceiling"] == [pytest.approx((2.2 + 0.4) / 2 / 1.1, abs=1e-4)] * rounds
     assert zero1["verdict"].startswith("verdict: NO LIMIT.")
+
+
+def test_the_pp_ceiling_is_torch_cpu_over_fivefold_compute_alone_in_the_same_round_through_the_executor_model():
+    bench_pp = _load_script("bench_pp")
+    pp, m = 2, 4
+    actions = [{**{("F", i, 0): 1.0 for i in range(m)}, **{("B", i, 0): 2.0 for i in range(m)}} for _ in range(pp)]
+    compute = sum(actions[0].values())
+    transfer = {"latency_s": 0.0, "wait_posted_late_s": 0.0}
+    bubble = {"formula": 1 / 5, "model_balanced_per_repeat": [0.2] * 3, "model_cpu_per_repeat": [0.2] * 3,
+              "fivefold": 0.25, "action_share_of_main_cpu": [0.8, 0.8]}
+    # fivefold's main thread spends its actions' CPU / 0.8 in every round, torch 1.2x the compute
+    # in three rounds and 1.02x in two: the model is linear in the times, so the ceiling is the ratio
+    rounds = {"fivefold 1f1b": [[compute / 0.8] * pp] * 5,
+              "torch 1f1b": [[compute * 1.2] * pp] * 3 + [[compute * 1.02] * pp] * 2}
+    out = bench_pp.limits("1f1b", bubble, actions, rounds, (pp, m, 1), transfer)
+    assert out["ceiling"] == [pytest.approx(1.2)] * 3 + [pytest.approx(1.02)] * 2
+    assert out["cpu_predicted_ratio"][0] == pytest.approx(1.2 * 0.8)
+    assert out["verdict"].startswith("verdict: UNDECIDED.")
+    rounds["torch 1f1b"] = [[compute * 1.02] * pp] * 5
+    assert bench_pp.limits("1f1b", bubble, actions, rounds, (pp, m, 1), transfer)["verdict"].startswith(
+        "verdict: LIMIT.")
+    # the bubble: equal stages already outside the formula + 10% -> a limit, and it says which step does it
+    bubble |= {"model_balanced_per_repeat": [0.3] * 3, "model_cpu_per_repeat": [0.3] * 3}
+    verdict = bench_pp.limits("zb-h1", bubble, actions, rounds, (pp, m, 1), transfer)
+    assert set(verdict) == {"bubble_verdict"}  # torch runs no zb-h1: no ceiling
+    assert "LIMIT" in verdict["bubble_verdict"] and "already do on equal stages" in verdict["bubble_verdict"]
