@@ -166,8 +166,8 @@ def test_a_case_name_the_benchmark_does_not_know_is_refused_with_the_names_it_kn
 def test_every_benchmark_of_the_suite_builds_only_the_case_measured_alone():
     # the guard each script needs, so that `bench all`'s memory pass measures one case at a time
     for entry in SUITE:
-        source = (ROOT / "benchmarks" / f"bench_{entry.name}.py").read_text()
-        assert "builds(" in source, f"bench_{entry.name}.py builds its cases without bench.builds"
+        source = (ROOT / "benchmarks" / entry.script_file).read_text()
+        assert "builds(" in source, f"{entry.script_file} builds its cases without bench.builds"
 
 
 def test_a_real_benchmark_run_alone_builds_one_case_and_reports_each_rank(tmp_path):
@@ -268,3 +268,24 @@ def test_the_pp_ceiling_is_torch_cpu_over_fivefold_compute_alone_in_the_same_rou
     verdict = bench_pp.limits("zb-h1", bubble, actions, rounds, (pp, m, 1), transfer)
     assert set(verdict) == {"bubble_verdict"}  # torch runs no zb-h1: no ceiling
     assert "LIMIT" in verdict["bubble_verdict"] and "already do on equal stages" in verdict["bubble_verdict"]
+
+
+def test_the_suite_table_lists_the_verdicts_the_benchmarks_wrote():
+    floor_row = {"cpu_verdict": "verdict: LIMIT. ceiling vs torch-ddp 1.004", "verdict": "verdict: UNDECIDED. x"}
+    outcomes = {"dp-floor": [{"title": "floor", "baseline": "compute", "ratios": {}, "cases": {},
+                              "meta": {"floor": {"torch-ddp": floor_row}}}],
+                "pp": [{"title": "pp", "baseline": "torch gpipe", "ratios": {}, "cases": {},
+                        "meta": {"bubble 1f1b": {"bubble_verdict": "bubble: formula 11.1% verdict: LIMIT. y",
+                                                 "verdict": "verdict: LIMIT. ceiling vs torch 1f1b 0.992"},
+                                 "bubble zb-h1": {"bubble_verdict": "bubble: formula 4.0% verdict: LIMIT. z"},
+                                 "transfer": {"bytes": 1}}}]}
+    markdown = suite_markdown(outcomes)
+    assert "- dp-floor, against torch-ddp, work alone: verdict: LIMIT. ceiling vs torch-ddp 1.004" in markdown
+    assert "- dp-floor, against torch-ddp, wall on a quiet machine: verdict: UNDECIDED. x" in markdown
+    assert "- pp, 1f1b, against torch: verdict: LIMIT. ceiling vs torch 1f1b 0.992" in markdown
+    assert "- pp, zb-h1, bubble: formula 4.0% verdict: LIMIT. z" in markdown
+    assert "zb-h1, against torch" not in markdown
+    assert "## Limits" not in suite_markdown({"pp": "exit code 1"})
+    # the floor's entry runs bench_dp.py with --floor, and measures no memory (dp's cases already are)
+    (entry,) = [e for e in SUITE if e.name == "dp-floor"]
+    assert entry.script_file == "bench_dp.py" and "--floor" in entry.args and entry.memory == ()

@@ -377,6 +377,11 @@ class SuiteEntry:
     without_deepspeed: tuple[str, ...] = ()  # arguments that leave DeepSpeed's cases out
     memory: tuple[MemoryVariant, ...] = (MemoryVariant(),)
     preload: tuple[str, ...] = ()
+    script: str = ""  # the benchmark script's name when it is not bench_<name>.py
+
+    @property
+    def script_file(self) -> str:
+        return f"bench_{self.script or self.name}.py"
 
 
 DEEPSPEED_DP_CASES = "deepspeed-zero1,deepspeed-zero2,deepspeed-zero3"
@@ -384,20 +389,24 @@ DEEPSPEED_DP_CASES = "deepspeed-zero1,deepspeed-zero2,deepspeed-zero3"
 # from 0.57 to 1.72 (dp, 3 rounds), so a median of 3 is one draw from a wide spread: 3 rounds
 # hold the true median between their extremes only 75% of the time (`median_interval`), 9-11
 # rounds between their 2nd/3rd-lowest and -highest 93-96% of the time. The rounds are spent
-# where a round is cheap or the rows are close to 1.05 (dp, pp); together they add about
-# 4.5 minutes to a quiet run of `bench all` (13 -> ~18 min, memory pass included).
+# where a round is cheap or the rows are close to 1.05 (single, dp, pp); tp and ep, far from
+# it, keep fewer. With the dp floor's verdicts they add about 6 minutes to a quiet run of
+# `bench all` (13 -> ~19 min, memory pass included).
 SUITE = (
     SuiteEntry("single", 1, ("--rounds", "9", "--steps", "1", "--threads", "1", "--compile"),
                preload=("transformers.models.llama.modeling_llama", "torch._inductor.compile_fx")),
     SuiteEntry("dp", 2, ("--rounds", "11"), "--json", ("--skip", DEEPSPEED_DP_CASES),
                preload=("deepspeed", "torch.distributed.fsdp", "torch.distributed.optim")),
-    SuiteEntry("tp", 2, ("--rounds", "7"),
+    # the verdicts of the limit against DDP and ZeroRedundancyOptimizer (CPU-based: see bench_dp.py);
+    # its cases are timed and measured alone in "dp" already, so no memory pass
+    SuiteEntry("dp-floor", 2, ("--floor", "--rounds", "9"), "--json", script="dp", memory=()),
+    SuiteEntry("tp", 2, ("--rounds", "5"),
                memory=(MemoryVariant(("--modes", "sp"), (("sequence_parallel", True),)),
                        MemoryVariant(("--modes", "nosp"), (("sequence_parallel", False),))),
                preload=("torch.distributed.tensor.parallel",)),
     SuiteEntry("pp", 2, ("--rounds", "11", "--micro-batches", "8"), "--json",
                preload=("torch.distributed.pipelining",)),
-    SuiteEntry("ep", 2, ("--rounds", "9"), without_deepspeed=("--no-deepspeed",), preload=("deepspeed.moe.layer",)),
+    SuiteEntry("ep", 2, ("--rounds", "7"), without_deepspeed=("--no-deepspeed",), preload=("deepspeed.moe.layer",)),
     SuiteEntry("cp", 2, ("--seq", "2048", "--rounds", "11"), preload=("torch.distributed.tensor.experimental",)),
 )
 PRELOAD_ENV = "FIVEFOLD_BENCH_PRELOAD"  # comma list of modules the launcher imports first
@@ -420,7 +429,7 @@ def suite_command(entry: SuiteEntry, out: Path, with_deepspeed: bool, extra: tup
     module's launcher, which imports the modules named in FIVEFOLD_BENCH_PRELOAD first."""
     import sys
 
-    script = str(benchmarks_dir() / f"bench_{entry.name}.py")
+    script = str(benchmarks_dir() / entry.script_file)
     args = [*entry.args, *(() if with_deepspeed else entry.without_deepspeed), *extra, entry.out_flag, str(out)]
     launch = ["-m", __name__, script] if preloaded else [script]
     if entry.processes == 1:
@@ -639,6 +648,34 @@ def summary_lines(outcomes: dict[str, list[dict] | str]) -> list[str]:
     return lines
 
 
+def limit_lines(outcomes: dict[str, list[dict] | str]) -> list[str]:
+    """The verdicts of the limit that the benchmarks wrote into their comparisons' meta: per peer
+    of `bench_dp.py --floor` (work alone, and wall on a quiet machine), per schedule of
+    bench_pp (the bubble, and the ceiling against torch)."""
+    lines = []
+    for name, result in outcomes.items():
+        for comparison in result if isinstance(result, list) else []:
+            meta = comparison.get("meta", {})
+            for peer, row in meta.get("floor", {}).items():
+                lines.append(f"- {name}, against {peer}, work alone: {row['cpu_verdict']}")
+                lines.append(f"- {name}, against {peer}, wall on a quiet machine: {row['verdict']}")
+            for key, row in meta.items():
+                if not (key.startswith("bubble ") and isinstance(row, dict)):
+                    continue
+                schedule = key.removeprefix("bubble ")
+                if "bubble_verdict" in row:
+                    lines.append(f"- {name}, {schedule}, {row['bubble_verdict']}")
+                if "verdict" in row:
+                    lines.append(f"- {name}, {schedule}, against torch: {row['verdict']}")
+    if not lines:
+        return []
+    return ["## Limits", "",
+            "Verdicts of the benchmarks against the 1.05 target and the bubble formula + 10%, from CPU times and "
+            "waits (how: benchmarks/README.md, `dp` and `pp`). LIMIT: no implementation of the same work can reach it "
+            "on this machine; NO LIMIT: the peer leaves room; UNDECIDED: the interval over rounds straddles it.", "",
+            *lines, ""]
+
+
 def alone_cells(case: dict) -> str:
     """`peak | held (built, kept; live tensors)` of a case measured alone, or why it has none."""
     alone = case.get("alone")
@@ -666,7 +703,8 @@ def suite_markdown(outcomes: dict[str, list[dict] | str], meta: dict | None = No
     if meta:
         lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
     lines += summary_lines(outcomes)
-    lines += ["", "## Every comparison", "",
+    lines += ["", *limit_lines(outcomes)]
+    lines += ["## Every comparison", "",
               "Ratios below are medians of per-round time(case) / time(baseline); below 1 means faster than "
               "the baseline. Peak RSS, shared process: the case's own peak while every case of the comparison "
               "lived in one process (largest over ranks). Alone: the case in a process of its own (see the summary); "
