@@ -30,8 +30,9 @@ machine; when the second matches the measured bubble, the excess is the actions'
 stretching, not waiting on transfers.
 
 Two verdicts per schedule, from CPU times, which load moves little (`limits`): the bubble's
-(formula, then the executor model on equal stages at the measured F / B times, then on the
-actions' own CPU times, then measured: which of them first leaves the formula + 10%), and the
+(formula, then the executor model on equal stages at the measured F / B times, on each stage's
+own mean times, on every action's own time, then measured: whether the stages' own times
+already leave the formula + 10%, and why), and the
 ceiling against torch: per timed round, the executor model on torch's main-thread CPU per rank
 over the model on fivefold's compute alone (both stretched to the same round's CPU), against
 1.05, with the interval of its median over rounds.
@@ -304,26 +305,39 @@ def scaled_rows(seconds: list[dict], totals: list[float]) -> list[dict]:
     return [{key: v * total / sum(row.values()) for key, v in row.items()} for row, total in zip(seconds, totals)]
 
 
-def bubble_verdict(formula: float, balanced: list[float], model: list[float], measured: float,
-                   within: float = 0.10) -> str:
+def bubble_verdict(formula: float, balanced: list[float], stages: list[float], actions: list[float],
+                   measured: float, within: float = 0.10) -> str:
     """Where the measured bubble's excess over the formula comes from, each step from CPU times
-    (per repeat; medians and ranges printed): the schedule on equal stages at the measured F / B
-    times (`balanced`), on this model's own per-rank action CPU times (`model`: the stages as they
-    are, without contention), and as measured (wall: contention on top)."""
+    of the traced steps (per repeat; medians printed): the executor model on equal stages at the
+    measured mean F / B times (`balanced`), on each stage's own mean times per kind (`stages`: how
+    unequal the stages are), on every action's own time (`actions`: per-action variation on top,
+    which a loaded machine adds to), and as measured (wall: contention on top). The verdict
+    rests on `stages`: a limit when even the stages' own times leave the formula + `within`."""
     allowed = formula * (1 + within)
-    ivl = median_interval(model)
-    text = (f"bubble: formula {formula:.1%}, executor model with equal stages {statistics.median(balanced):.1%}, "
-            f"with this model's own action CPU times {statistics.median(model):.1%} ({ivl.low:.1%}-{ivl.high:.1%}), "
-            f"measured {measured:.1%}. ")
+    ivl = median_interval(stages)
+    text = (f"bubble: formula {formula:.1%}, executor model on equal stages {statistics.median(balanced):.1%}, on "
+            f"the stages' own mean times {statistics.median(stages):.1%} ({ivl.low:.1%}-{ivl.high:.1%}), on every "
+            f"action's own time {statistics.median(actions):.1%}, measured {measured:.1%}. ")
     if ivl.low > allowed:
         cause = ("the measured F / B times and the transfer latency already do on equal stages"
-                 if statistics.median(balanced) > allowed else "the stages' unequal action times do")
-        return text + (f"verdict: LIMIT. Even without contention the actions' own times allow no bubble within "
-                       f"{within:.0%} of the formula (> {allowed:.1%}): {cause}")
+                 if statistics.median(balanced) > allowed else "the stages' unequal times do")
+        return text + (f"verdict: LIMIT. Without contention this model allows no bubble within {within:.0%} of the "
+                       f"formula (> {allowed:.1%}): {cause}")
     if ivl.high <= allowed:
-        return text + (f"verdict: NOT A LIMIT. The actions' own times allow <= {allowed:.1%}; what the measured bubble "
-                       "adds is contention for the cores (wall times stretched unevenly) or the executor")
-    return text + "verdict: UNDECIDED. The model's bubble straddles the formula + 10%: rerun with more rounds"
+        return text + (f"verdict: NOT A LIMIT. The stages' own times allow <= {allowed:.1%}; the rest is per-action "
+                       "variation and contention for the cores (wall times stretched unevenly)")
+    return text + f"verdict: UNDECIDED. The stages' bubble straddles {allowed:.1%}: rerun with more rounds"
+
+
+def rank_mean_rows(seconds: list[dict]) -> list[dict]:
+    """Each rank's actions of a kind all lasting that rank's mean for the kind: the stages as
+    they are, without the per-action variation."""
+    out = []
+    for row in seconds:
+        kinds = {key[0] for key in row}
+        mean = {kind: statistics.mean(v for key, v in row.items() if key[0] == kind) for kind in kinds}
+        out.append({key: mean[key[0]] for key in row})
+    return out
 
 
 def limits(name: str, bubble: dict, action_cpu: list[dict], main_cpu: dict[str, list[list[float]]],
@@ -343,7 +357,8 @@ def limits(name: str, bubble: dict, action_cpu: list[dict], main_cpu: dict[str, 
     implementation of the same compute and schedule could gain on torch here. The model with
     fivefold's whole main-thread CPU gives the ratio the CPU times predict."""
     out = {"bubble_verdict": bubble_verdict(bubble["formula"], bubble["model_balanced_per_repeat"],
-                                            bubble["model_cpu_per_repeat"], bubble["fivefold"])}
+                                            bubble["model_stages_per_repeat"], bubble["model_cpu_per_repeat"],
+                                            bubble["fivefold"])}
     peer, ours = f"torch {name}", f"fivefold {name}"
     if peer not in main_cpu:
         return out
@@ -418,6 +433,7 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 5
         pp = mesh.pp.size
         models = [model_step(name, pp, m, vpp, traced[2], latency) for traced in ff]
         balanced = [model_step(name, pp, m, vpp, balanced_rows(traced[2]), latency)[0] for traced in ff]
+        stages = [model_step(name, pp, m, vpp, rank_mean_rows(traced[2]), latency)[0] for traced in ff]
         bubble, rows, cpu_rows, share = sorted(ff, key=lambda traced: traced[0])[repeats // 2]
         wall_rows = [{(e.kind, e.microbatch, e.chunk): e.seconds for e in row if e.kind in COMPUTE_KINDS} for row in rows]
         out[name] = {"fivefold": bubble, "torch": sorted(tt)[repeats // 2], "idle": idle_breakdown(rows),
@@ -429,7 +445,7 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 5
                      "model_wall": model_step(name, pp, m, vpp, wall_rows, latency)[0],
                      "model_cpu_per_repeat": [b for b, _ in models],
                      "model_cpu_step_s_per_repeat": [t for _, t in models],
-                     "model_balanced_per_repeat": balanced,
+                     "model_balanced_per_repeat": balanced, "model_stages_per_repeat": stages,
                      "action_cpu_s": cpu_rows, "action_share_of_main_cpu": share,
                      "cpu_s": {"fivefold": statistics.median(cpu_ff),
                                "torch": statistics.median(cpu_tt) if cpu_tt else float("nan")},

@@ -250,8 +250,8 @@ def test_the_pp_ceiling_is_torch_cpu_over_fivefold_compute_alone_in_the_same_rou
     actions = [{**{("F", i, 0): 1.0 for i in range(m)}, **{("B", i, 0): 2.0 for i in range(m)}} for _ in range(pp)]
     compute = sum(actions[0].values())
     transfer = {"latency_s": 0.0, "wait_posted_late_s": 0.0}
-    bubble = {"formula": 1 / 5, "model_balanced_per_repeat": [0.2] * 3, "model_cpu_per_repeat": [0.2] * 3,
-              "fivefold": 0.25, "action_share_of_main_cpu": [0.8, 0.8]}
+    bubble = {"formula": 1 / 5, "model_balanced_per_repeat": [0.2] * 3, "model_stages_per_repeat": [0.2] * 3,
+              "model_cpu_per_repeat": [0.3] * 3, "fivefold": 0.25, "action_share_of_main_cpu": [0.8, 0.8]}
     # fivefold's main thread spends its actions' CPU / 0.8 in every round, torch 1.2x the compute
     # in three rounds and 1.02x in two: the model is linear in the times, so the ceiling is the ratio
     rounds = {"fivefold 1f1b": [[compute / 0.8] * pp] * 5,
@@ -263,11 +263,18 @@ def test_the_pp_ceiling_is_torch_cpu_over_fivefold_compute_alone_in_the_same_rou
     rounds["torch 1f1b"] = [[compute * 1.02] * pp] * 5
     assert bench_pp.limits("1f1b", bubble, actions, rounds, (pp, m, 1), transfer)["verdict"].startswith(
         "verdict: LIMIT.")
-    # the bubble: equal stages already outside the formula + 10% -> a limit, and it says which step does it
-    bubble |= {"model_balanced_per_repeat": [0.3] * 3, "model_cpu_per_repeat": [0.3] * 3}
+    # the bubble: the stages' own times within the formula + 10% -> no limit, whatever the per-action times add
+    assert "verdict: NOT A LIMIT" in out["bubble_verdict"]
+    # equal stages already outside it -> a limit, and it says which step does it
+    bubble |= {"model_balanced_per_repeat": [0.3] * 3, "model_stages_per_repeat": [0.3] * 3}
     verdict = bench_pp.limits("zb-h1", bubble, actions, rounds, (pp, m, 1), transfer)
     assert set(verdict) == {"bubble_verdict"}  # torch runs no zb-h1: no ceiling
-    assert "LIMIT" in verdict["bubble_verdict"] and "already do on equal stages" in verdict["bubble_verdict"]
+    assert "verdict: LIMIT" in verdict["bubble_verdict"] and "already do on equal stages" in verdict["bubble_verdict"]
+    bubble |= {"model_balanced_per_repeat": [0.2] * 3}
+    assert "the stages' unequal times do" in bench_pp.limits("zb-h1", bubble, actions, rounds, (pp, m, 1),
+                                                             transfer)["bubble_verdict"]
+    rows = bench_pp.rank_mean_rows([{("F", 0, 0): 1.0, ("F", 1, 0): 3.0, ("B", 0, 0): 4.0}])
+    assert rows == [{("F", 0, 0): 2.0, ("F", 1, 0): 2.0, ("B", 0, 0): 4.0}]
 
 
 def test_the_suite_table_lists_the_verdicts_the_benchmarks_wrote():
