@@ -230,7 +230,11 @@ def floor_cases(config: Config, sampler: Sampler) -> dict[str, Callable[[], None
     cases["all_reduce"] = collectives["all_reduce"]
     rs, ag = collectives["fivefold-reduce_scatter"], collectives["fivefold-all_gather"]
     cases["reduce_scatter+all_gather"] = lambda: (rs(), ag())
-    return cases
+    # each peer right after its floor's parts and before its fivefold counterpart: cases next to each
+    # other in a round see the most alike load (the rounds rotate the order, keeping neighbours)
+    order = ("compute", "all_reduce", "torch-ddp", "fivefold-dp",
+             "compute-zero1", "reduce_scatter+all_gather", "torch-zero1", "fivefold-zero1")
+    return {name: cases[name] for name in order}
 
 
 def zero3_floor_cases(config: Config, sampler: Sampler) -> dict[str, Callable[[], None]]:
