@@ -29,9 +29,12 @@ parts of a step alone: each rank's forward + backward + clip + fused AdamW on it
 with no collective (all parameters, or one ZeRO-1 shard's worth), and the bare collectives of
 the gradients' bytes. The floor of a step is the CPU of both parts, summed over the ranks, over
 the cores (gloo's sums and copies run on the cores that compute), and never less than one
-rank's compute alone. It prints each step over that floor, the measured assumptions (cores,
-threads, load, CPU on gloo's threads, utilisation), and the highest ratio any implementation
-could reach against each peer on this machine: the peer's step over the floor.
+rank's compute alone. Per round it bounds each step's wall time on a quiet machine from CPU
+seconds and the main threads' waits on collectives (`floor_report`), which load moves little,
+and prints per peer the most any implementation could gain on it (peer's bound / floor), in
+work alone and in wall time, each with a verdict (LIMIT / NO LIMIT / UNDECIDED against 1.05,
+from the interval of the median over rounds), beside the measured assumptions (cores,
+threads, load, CPU on gloo's threads, utilisation).
 
 Every torch peer runs torch's fused AdamW (`fused=True`), the kernel kind fivefold runs.
 """
@@ -183,19 +186,8 @@ class Usage(NamedTuple):
 
 def usage_now() -> Usage:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    main_cpu, main_queued = thread_schedstat()
+    main_cpu, main_queued = bench.thread_schedstat()
     return Usage(usage.ru_utime + usage.ru_stime, usage.ru_minflt, main_cpu, main_queued, time.perf_counter())
-
-
-def thread_schedstat() -> tuple[float, float]:
-    """(CPU seconds, seconds waiting for a core) of the calling thread, from Linux's schedstat;
-    without it, the thread's CPU time and no waiting."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            run_ns, wait_ns, _ = f.read().split()
-    except (OSError, ValueError):
-        return time.thread_time(), 0.0
-    return int(run_ns) / 1e9, int(wait_ns) / 1e9
 
 
 def cpu_timed(step: Callable[[], None], record: list[Usage]) -> Callable[[], None]:
@@ -241,7 +233,11 @@ def floor_cases(config: Config, sampler: Sampler) -> dict[str, Callable[[], None
     cases["all_reduce"] = collectives["all_reduce"]
     rs, ag = collectives["fivefold-reduce_scatter"], collectives["fivefold-all_gather"]
     cases["reduce_scatter+all_gather"] = lambda: (rs(), ag())
-    return cases
+    # each peer right after its floor's parts and before its fivefold counterpart: cases next to each
+    # other in a round see the most alike load (the rounds rotate the order, keeping neighbours)
+    order = ("compute", "all_reduce", "torch-ddp", "fivefold-dp",
+             "compute-zero1", "reduce_scatter+all_gather", "torch-zero1", "fivefold-zero1")
+    return {name: cases[name] for name in order}
 
 
 def zero3_floor_cases(config: Config, sampler: Sampler) -> dict[str, Callable[[], None]]:
@@ -393,17 +389,19 @@ def run_micro_benchmark(args, config: Config, sampler: Sampler) -> None:
     results = bench.alternate(cases, args.warmup, args.rounds, sync=dist.barrier)
     facts["load_average_after"] = os.getloadavg()[0]
     keep_cpu_records(results, cpu, args.warmup)
-    per_rank_cpu = gather_cpu(results) if args.floor or args.zero3_floor else {}
+    per_rank = {key: gather_per_rank(results, key) for key in ("cpu_seconds", "main_thread_blocked_seconds")
+                if args.floor or args.zero3_floor}
     if dist.get_rank() == 0:
         comparison = bench.compare(title, results, baseline, meta)
         if args.floor:
-            comparison.meta["floor"] = floor_report(results, per_rank_cpu, facts["cores"])
+            comparison.meta["floor"] = floor_report(results, per_rank["cpu_seconds"], per_rank["main_thread_blocked_seconds"],
+                                                       facts["cores"])
             comparison.meta["machine"] = facts
         bench.print_table(comparison)
         print_cpu(results)
         if args.zero3_floor:
             comparison.meta["cpu_ratio"] = cpu_ratios(results, baseline)
-            comparison.meta["zero_verdict"] = zero_verdict(results, per_rank_cpu, facts)
+            comparison.meta["zero_verdict"] = zero_verdict(results, per_rank["cpu_seconds"], facts)
             print_zero_verdict(comparison.meta["zero_verdict"])
         if args.floor:
             print_floor(comparison.meta["floor"], facts, results)
@@ -479,56 +477,91 @@ def machine_facts() -> dict:
     }
 
 
-def gather_cpu(results: dict) -> dict[str, list[list[float]]]:
-    """Every rank's CPU seconds per round, per case (collective: every rank calls it)."""
+def gather_per_rank(results: dict, key: str) -> dict[str, list[list[float]]]:
+    """Every rank's `extra[key]` per round (CPU seconds, blocked seconds), per case; a
+    collective: every rank calls it."""
     names = list(results)
-    local = torch.tensor([results[n].extra["cpu_seconds"] for n in names], dtype=torch.float64)
+    local = torch.tensor([results[n].extra[key] for n in names], dtype=torch.float64)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return {n: [g[i].tolist() for g in gathered] for i, n in enumerate(names)}
 
 
-def floor_report(results: dict, cpu: dict[str, list[list[float]]], cores: int) -> dict[str, dict[str, float]]:
-    """Per peer, medians over rounds (the cases of a round ran side by side) of each step
-    against the floor of that round.
+def floor_report(results: dict, cpu: dict[str, list[list[float]]], blocked: dict[str, list[list[float]]],
+                 cores: int) -> dict[str, dict]:
+    """Per peer, per round (the cases of a round ran side by side), each step against the floor.
 
-    The floor is the time no implementation can go below on this machine: every rank must
-    spend the CPU of its compute alone (forward, backward, clip, AdamW, no communication) and
-    the CPU of the gradients' collectives (gloo sums and copies on the same cores, measured
-    bare on the same bytes). With those CPU seconds summed over the ranks, wall time is at
-    least that sum / cores, and at least one rank's compute alone (a thread is serial).
-    Returned: step / floor for the peer and for fivefold, in wall time and in CPU per rank;
-    the peer / fivefold ratio measured; utilisation (CPU of all ranks / (wall x cores)).
+    The floor is the time no implementation of the same work can go below on this machine:
+    every rank must spend the CPU of its compute alone (forward, backward, clip, AdamW, no
+    communication) and the CPU of the gradients' collectives (gloo's sums and copies, on the
+    same cores, measured bare on the same bytes). With those CPU seconds summed over the ranks,
+    wall time is at least that sum / cores, and at least one rank's compute alone.
+
+    A step's wall time on a loaded machine says little about its wall time on a quiet one, so
+    the ceiling is built from what load moves little: CPU seconds (cases alternated in one round
+    are inflated alike), and the seconds each rank's main thread was blocked (neither running
+    nor waiting for a core: waiting on a collective). With one rank per core, a core can only
+    idle while some main thread is blocked, so on a quiet machine a step's wall is at most (CPU
+    of all ranks + their blocked seconds) / cores. A rank that arrives at a collective before
+    the other also waits for the other's arrival; the ranks do the same work, so on a quiet
+    machine they arrive together and that skew is the load's (a rank that lost its core): only
+    the blocked seconds of the rank that waited least, counted for every rank, enter the bound.
+    What remains (waiting for the collective itself, e.g. the last bucket's) only grows with
+    load. `ceiling` = that bound for the peer over the floor, per round: the most any
+    implementation of the same work could gain on the peer here.
+    Returned per peer: the per-round ceilings (peer's and fivefold's bound over the floor), the
+    medians of wall / floor and CPU / floor, utilisation (CPU of all ranks / (wall x cores)),
+    the peer / fivefold ratio measured, and the verdict line.
     """
-    def rank_sum(name: str, r: int) -> float:
-        return sum(per_rank[r] for per_rank in cpu[name])
+    def rank_sum(counter: dict[str, list[list[float]]], name: str, r: int) -> float:
+        return sum(per_rank[r] for per_rank in counter[name])
+
+    ranks = len(cpu["compute"])
+    spare_cores = max(0, cores - ranks)  # cores no main thread runs on may idle at any time
+
+    def quiet_bound(name: str, r: int) -> float:
+        wall = results[name].seconds[r]
+        return (rank_sum(cpu, name, r) + ranks * least_blocked(name, r) + spare_cores * wall) / cores
+
+    def least_blocked(name: str, r: int) -> float:
+        return min(per_rank[r] for per_rank in blocked[name])
 
     out = {}
-    ranks = len(cpu["compute"])
     for peer, (ours, compute, collectives) in FLOORS.items():
         rounds = range(len(results[peer].seconds))
-        floor_cpu = [rank_sum(compute, r) + rank_sum(collectives, r) for r in rounds]
+        floor_cpu = [rank_sum(cpu, compute, r) + rank_sum(cpu, collectives, r) for r in rounds]
         floor_wall = [max(f / cores, max(c[r] for c in cpu[compute])) for r, f in zip(rounds, floor_cpu)]
-        row: dict[str, float] = {}
+        row: dict = {}
         for name, key in ((peer, "peer"), (ours, "fivefold")):
             wall = results[name].seconds
+            row[f"{key}_bound_over_floor"] = [round(quiet_bound(name, r) / floor_wall[r], 4) for r in rounds]
+            row[f"{key}_blocked_share"] = statistics.median(
+                ranks * least_blocked(name, r) / (rank_sum(cpu, name, r) + ranks * least_blocked(name, r))
+                for r in rounds)
+            row[f"{key}_skew_s"] = statistics.median(
+                rank_sum(blocked, name, r) - ranks * least_blocked(name, r) for r in rounds)
             row[f"{key}_wall_over_floor"] = statistics.median(wall[r] / floor_wall[r] for r in rounds)
-            row[f"{key}_cpu_over_floor"] = statistics.median(rank_sum(name, r) / floor_cpu[r] for r in rounds)
-            row[f"{key}_utilisation"] = statistics.median(rank_sum(name, r) / (wall[r] * cores) for r in rounds)
-        row["measured_wall"] = statistics.median(p / o for p, o in zip(results[peer].seconds, results[ours].seconds))
-        row["measured_cpu"] = statistics.median(rank_sum(peer, r) / rank_sum(ours, r) for r in rounds)
+            row[f"{key}_cpu_over_floor"] = statistics.median(rank_sum(cpu, name, r) / floor_cpu[r] for r in rounds)
+            row[f"{key}_utilisation"] = statistics.median(rank_sum(cpu, name, r) / (wall[r] * cores) for r in rounds)
+        row["ceiling"] = row["peer_bound_over_floor"]
+        row["cpu_ceiling"] = [round(rank_sum(cpu, peer, r) / floor_cpu[r], 4) for r in rounds]
+        row["measured_wall_per_round"] = [round(p / o, 4) for p, o in zip(results[peer].seconds, results[ours].seconds)]
+        row["measured_wall"] = statistics.median(row["measured_wall_per_round"])
+        row["measured_cpu"] = statistics.median(rank_sum(cpu, peer, r) / rank_sum(cpu, ours, r) for r in rounds)
         row["floor_wall_s"] = statistics.median(floor_wall)
         row["floor_cpu_s_per_rank"] = statistics.median(floor_cpu) / ranks
+        row["verdict"] = bench.ceiling_verdict(peer, row["ceiling"])
+        row["cpu_verdict"] = bench.ceiling_verdict(f"{peer} in CPU seconds", row["cpu_ceiling"])
         out[peer] = row
     return out
 
 
-def print_floor(floor: dict[str, dict[str, float]], facts: dict, results: dict) -> None:
+def print_floor(floor: dict[str, dict], facts: dict, results: dict) -> None:
     print(f"assumptions, measured: {facts['cores']} cores for this process (of {facts['cpu_count']}), "
           f"{facts['torch_threads']} torch thread(s), {facts['process_threads']} threads per process "
           f"(main, gloo's, torch's), load average {facts['load_average']:.1f} before and "
-          f"{facts['load_average_after']:.1f} after (above the core count, other processes took cores: "
-          "every wall time is then longer and the wall ratios below are not a limit)")
+          f"{facts['load_average_after']:.1f} after (load stretches the measured wall times; the bounds and "
+          "the verdict use CPU seconds and the waits on collectives, which load moves little)")
     print("rank 0, share of CPU on threads other than the main one (gloo's): " + ", ".join(
         f"{n} {1 - statistics.median(r.extra['main_thread_cpu_seconds']) / statistics.median(r.extra['cpu_seconds']):.0%}"
         for n, r in results.items()))
@@ -538,14 +571,20 @@ def print_floor(floor: dict[str, dict[str, float]], facts: dict, results: dict) 
         for n, r in results.items()))
     for peer, r in floor.items():
         ours = FLOORS[peer][0]
+        peer_interval, ours_interval = (bench.median_interval(r[f"{k}_bound_over_floor"]) for k in ("peer", "fivefold"))
         print(f"floor for {peer} / {ours}: {r['floor_wall_s']:.3f} s wall, {r['floor_cpu_s_per_rank']:.3f} CPU s per rank "
               f"(compute alone + {FLOORS[peer][2]} alone)")
-        print(f"  {peer} / floor {r['peer_wall_over_floor']:.3f} wall, {r['peer_cpu_over_floor']:.3f} CPU "
-              f"(utilisation {r['peer_utilisation']:.2f}); {ours} / floor {r['fivefold_wall_over_floor']:.3f} wall, "
-              f"{r['fivefold_cpu_over_floor']:.3f} CPU (utilisation {r['fivefold_utilisation']:.2f})")
-        print(f"  {peer} / {ours} measured {r['measured_wall']:.3f} wall, {r['measured_cpu']:.3f} CPU; the highest "
-              f"ratio any implementation could reach against {peer} here: {r['peer_wall_over_floor']:.3f} wall, "
-              f"{r['peer_cpu_over_floor']:.3f} CPU (peer / floor)")
+        print(f"  {peer} / floor: quiet-wall bound {statistics.median(r['peer_bound_over_floor']):.3f} "
+              f"({peer_interval.low:.3f}-{peer_interval.high:.3f}; blocked on collectives {r['peer_blocked_share']:.1%} of "
+              f"CPU + blocked, plus {r['peer_skew_s']:.3f} s of the ranks waiting for each other, left out), CPU {r['peer_cpu_over_floor']:.3f}, wall as measured {r['peer_wall_over_floor']:.3f} "
+              f"(utilisation {r['peer_utilisation']:.2f})")
+        print(f"  {ours} / floor: quiet-wall bound {statistics.median(r['fivefold_bound_over_floor']):.3f} "
+              f"({ours_interval.low:.3f}-{ours_interval.high:.3f}; blocked on collectives {r['fivefold_blocked_share']:.1%} of "
+              f"CPU + blocked, plus {r['fivefold_skew_s']:.3f} s of the ranks waiting for each other, left out), CPU {r['fivefold_cpu_over_floor']:.3f}, wall as measured {r['fivefold_wall_over_floor']:.3f} "
+              f"(utilisation {r['fivefold_utilisation']:.2f})")
+        print(f"  {peer} / {ours} measured {r['measured_wall']:.3f} wall, {r['measured_cpu']:.3f} CPU")
+        print(f"  work alone (CPU, every wait left out): {r['cpu_verdict'].removeprefix('verdict: ')}")
+        print(f"  wall on a quiet machine (CPU + waits on collectives): {r['verdict']}")
 
 
 def keep_cpu_records(results: dict, cpu: dict[str, list[Usage]], warmup: int) -> None:

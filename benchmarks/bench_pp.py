@@ -29,6 +29,14 @@ work as stretched by contention). The first is the bubble the schedule allows on
 machine; when the second matches the measured bubble, the excess is the actions' uneven
 stretching, not waiting on transfers.
 
+Two verdicts per schedule, from CPU times, which load moves little (`limits`): the bubble's
+(formula, then the executor model on equal stages at the measured F / B times, on each stage's
+own mean times, on every action's own time, then measured: whether the stages' own times
+already leave the formula + 10%, and why), and the
+ceiling against torch: per timed round, the executor model on torch's main-thread CPU per rank
+over the model on fivefold's compute alone (both stretched to the same round's CPU), against
+1.05, with the interval of its median over rounds.
+
 `--malloc retain` makes glibc keep freed memory (no heap trimming, no mmap per large tensor)
 for every case alike, as jemalloc or tcmalloc would: the zero-bubble schedule keeps each
 micro-batch's (x, dy) from its B to its W step, an allocation pattern for which glibc's
@@ -45,12 +53,16 @@ import dataclasses
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fivefold.tools.bench import alternate, builds, compare, gather_peak_rss, print_table, write_json
+from fivefold.tools.bench import (
+    alternate, builds, ceiling_verdict, compare, gather_peak_rss, median_interval, print_table, thread_schedstat,
+    write_json,
+)
 from fivefold.config import load_config
 from fivefold.data import Sampler, load_tokenizer, load_tokens
 from fivefold.layout import validate
@@ -247,6 +259,125 @@ def model_step(name: str, pp: int, m: int, vpp: int, seconds: list[dict], latenc
     return 1.0 - busy / (pp * span), span
 
 
+def balanced_rows(seconds: list[dict]) -> list[dict]:
+    """The same actions with every action of a kind lasting that kind's mean over all ranks:
+    the stages made equal, the F / B (/ I / W) ratio kept as measured."""
+    kinds = {key[0] for row in seconds for key in row}
+    mean = {kind: statistics.mean(v for row in seconds for key, v in row.items() if key[0] == kind) for kind in kinds}
+    return [{key: mean[key[0]] for key in row} for row in seconds]
+
+
+class StepUsage(NamedTuple):
+    """One call of a case on this rank: its wall time, the main thread's CPU and time waiting
+    for a core (schedstat), and the CPU of the process's other threads (gloo's)."""
+
+    wall: float
+    main_cpu: float
+    main_queued: float
+    other_cpu: float
+
+
+def usage_recorded(step, record: list[StepUsage]):
+    """`step`, appending each call's StepUsage to `record`."""
+
+    def run() -> None:
+        (cpu, queued), process, start = thread_schedstat(), time.process_time(), time.perf_counter()
+        step()
+        wall = time.perf_counter() - start
+        cpu_after, queued_after = thread_schedstat()
+        main = cpu_after - cpu
+        record.append(StepUsage(wall, main, queued_after - queued, max(0.0, time.process_time() - process - main)))
+
+    return run
+
+
+def main_cpu_per_rank(usage: list[StepUsage], mesh: Mesh) -> list[list[float]]:
+    """Per call, every pipeline rank's main-thread CPU seconds (a collective: every rank calls it)."""
+    local = torch.tensor([u.main_cpu for u in usage], dtype=torch.float64)
+    gathered = [torch.zeros_like(local) for _ in range(mesh.pp.size)]
+    dist.all_gather(gathered, local, group=mesh.pp.group)
+    return [[float(g[i]) for g in gathered] for i in range(len(usage))]
+
+
+def scaled_rows(seconds: list[dict], totals: list[float]) -> list[dict]:
+    """Each rank's actions stretched alike so that they add up to that rank's `totals[r]`: a
+    step whose extra CPU (a peer's bookkeeping around the same compute) is spread over its actions."""
+    return [{key: v * total / sum(row.values()) for key, v in row.items()} for row, total in zip(seconds, totals)]
+
+
+def bubble_verdict(formula: float, balanced: list[float], stages: list[float], actions: list[float],
+                   measured: float, within: float = 0.10) -> str:
+    """Where the measured bubble's excess over the formula comes from, each step from CPU times
+    of the traced steps (per repeat; medians printed): the executor model on equal stages at the
+    measured mean F / B times (`balanced`), on each stage's own mean times per kind (`stages`: how
+    unequal the stages are), on every action's own time (`actions`: per-action variation on top,
+    which a loaded machine adds to), and as measured (wall: contention on top). The verdict
+    rests on `stages`: a limit when even the stages' own times leave the formula + `within`."""
+    allowed = formula * (1 + within)
+    ivl = median_interval(stages)
+    text = (f"bubble: formula {formula:.1%}, executor model on equal stages {statistics.median(balanced):.1%}, on "
+            f"the stages' own mean times {statistics.median(stages):.1%} ({ivl.low:.1%}-{ivl.high:.1%}), on every "
+            f"action's own time {statistics.median(actions):.1%}, measured {measured:.1%}. ")
+    if ivl.low > allowed:
+        cause = ("the measured F / B times and the transfer latency already do on equal stages"
+                 if statistics.median(balanced) > allowed else "the stages' unequal times do")
+        return text + (f"verdict: LIMIT. Without contention this model allows no bubble within {within:.0%} of the "
+                       f"formula (> {allowed:.1%}): {cause}")
+    if ivl.high <= allowed:
+        return text + (f"verdict: NOT A LIMIT. The stages' own times allow <= {allowed:.1%}; the rest is per-action "
+                       "variation and contention for the cores (wall times stretched unevenly)")
+    return text + f"verdict: UNDECIDED. The stages' bubble straddles {allowed:.1%}: rerun with more rounds"
+
+
+def rank_mean_rows(seconds: list[dict]) -> list[dict]:
+    """Each rank's actions of a kind all lasting that rank's mean for the kind: the stages as
+    they are, without the per-action variation."""
+    out = []
+    for row in seconds:
+        kinds = {key[0] for key in row}
+        mean = {kind: statistics.mean(v for key, v in row.items() if key[0] == kind) for kind in kinds}
+        out.append({key: mean[key[0]] for key in row})
+    return out
+
+
+def limits(name: str, bubble: dict, action_cpu: list[dict], main_cpu: dict[str, list[list[float]]],
+           shape: tuple[int, int, int], transfer: dict) -> dict:
+    """The bubble's verdict and, for a schedule torch runs too, the ceiling of torch / fivefold.
+
+    Everything here is CPU time, which load moves little, fed to the executor model (the same
+    timing rule for both sides: an action starts once its rank is free and its input arrived),
+    with the per-action CPU times of fivefold's median traced step (the same chunks torch runs).
+    Torch's quiet step, per timed round: the model with each rank's actions stretched to that
+    rank's main-thread CPU for torch's step in that round (its bookkeeping spread over its
+    actions), each transfer costing what a receive posted at its consumer costs (torch posts it
+    there). The floor, per round: the model with each rank's actions stretched to fivefold's
+    main-thread CPU in the same round times the actions' share of it in the traced step (the
+    compute alone, nothing around it, carrying the same round's load), each transfer arriving
+    one measured latency after its send. ceiling = torch's step / the floor: the most any
+    implementation of the same compute and schedule could gain on torch here. The model with
+    fivefold's whole main-thread CPU gives the ratio the CPU times predict."""
+    out = {"bubble_verdict": bubble_verdict(bubble["formula"], bubble["model_balanced_per_repeat"],
+                                            bubble["model_stages_per_repeat"], bubble["model_cpu_per_repeat"],
+                                            bubble["fivefold"])}
+    peer, ours = f"torch {name}", f"fivefold {name}"
+    if peer not in main_cpu:
+        return out
+    pp, m, vpp = shape
+    late = max(transfer["latency_s"], transfer["wait_posted_late_s"])
+
+    def step(totals: list[float], latency: float) -> float:
+        return model_step(name, pp, m, vpp, scaled_rows(action_cpu, totals), latency)[1]
+
+    share = bubble["action_share_of_main_cpu"]
+    floors = [step([t * s for t, s in zip(totals, share)], transfer["latency_s"]) for totals in main_cpu[ours]]
+    theirs = [step(totals, late) for totals in main_cpu[peer]]
+    predicted = [t / step(totals, transfer["latency_s"]) for t, totals in zip(theirs, main_cpu[ours])]
+    ceilings = [t / f for t, f in zip(theirs, floors)]
+    return out | {"floor_s": statistics.median(floors), "ceiling": ceilings, "verdict": ceiling_verdict(peer, ceilings),
+                  "cpu_predicted_ratio": predicted,
+                  "fivefold_actions_share": share}
+
+
 def _receiving_at_place(runner, step):
     """`step` with the runner posting each receive at its place in the table."""
 
@@ -260,12 +391,6 @@ def _receiving_at_place(runner, step):
     return run
 
 
-def gain_ceiling(bubble: float, peer_bubble: float) -> float:
-    """The most a schedule can gain on a peer running the same actions for the same busy time:
-    step time is busy / (stages x (1 - bubble)), so the time ratio is (1 - bubble) / (1 - peer's)."""
-    return (1.0 - bubble) / (1.0 - peer_bubble)
-
-
 def _bubble(busy: float, span: float, axis) -> float:
     """1 - sum of busy time / (stages x the longest step), over the pipeline ranks."""
     values = torch.tensor([busy, span], dtype=torch.float64)
@@ -275,7 +400,7 @@ def _bubble(busy: float, span: float, axis) -> float:
     return 1.0 - float(values[0]) / (axis.size * float(spans[0]))
 
 
-def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 3) -> dict:
+def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 5) -> dict:
     """Median measured bubble of each case over a few untimed steps, the median CPU seconds of a
     step (main thread: the largest over ranks; other threads: summed over ranks), where
     fivefold's idle time went in its median step, and that step's executor-model bubbles."""
@@ -285,13 +410,17 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 3
         for _ in range(repeats):
             model.runner.timeline = CpuTimeline()
             comm.all_reduce(torch.zeros(1), mesh.pp)
+            thread = time.thread_time()
             with _cpu_seconds(mesh, cpu_ff, other_ff):
                 ours()
+            main = time.thread_time() - thread
             timeline, model.runner.timeline = model.runner.timeline, None
             cpu_rows = [None] * mesh.pp.size
-            dist.all_gather_object(cpu_rows, timeline.cpu, group=mesh.pp.group)
+            dist.all_gather_object(cpu_rows, (timeline.cpu, main), group=mesh.pp.group)
+            share = [sum(actions.values()) / spent for actions, spent in cpu_rows]  # the actions' part of the step
+            cpu_rows = [actions for actions, _ in cpu_rows]
             ff.append((_bubble(busy_seconds(timeline.events), timeline.span, mesh.pp), gather_rows(timeline, mesh.pp),
-                       cpu_rows))
+                       cpu_rows, share))
             if theirs is None:
                 tt.append(float("nan"))
                 continue
@@ -300,16 +429,24 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 3
             with _cpu_seconds(mesh, cpu_tt, other_tt):
                 theirs()
             tt.append(_bubble(busy.seconds, time.perf_counter() - start, mesh.pp))
-        bubble, rows, cpu_rows = sorted(ff, key=lambda triple: triple[0])[repeats // 2]
         vpp, m = model.runner.vpp, model.runner.num_microbatches
+        pp = mesh.pp.size
+        models = [model_step(name, pp, m, vpp, traced[2], latency) for traced in ff]
+        balanced = [model_step(name, pp, m, vpp, balanced_rows(traced[2]), latency)[0] for traced in ff]
+        stages = [model_step(name, pp, m, vpp, rank_mean_rows(traced[2]), latency)[0] for traced in ff]
+        bubble, rows, cpu_rows, share = sorted(ff, key=lambda traced: traced[0])[repeats // 2]
         wall_rows = [{(e.kind, e.microbatch, e.chunk): e.seconds for e in row if e.kind in COMPUTE_KINDS} for row in rows]
         out[name] = {"fivefold": bubble, "torch": sorted(tt)[repeats // 2], "idle": idle_breakdown(rows),
                      "mean_ms": {kind: 1e3 * statistics.mean(e.seconds for row in rows for e in row if e.kind == kind)
                                  for kind in sorted({e.kind for row in rows for e in row} & COMPUTE_KINDS)},
                      "busy_cpu_s": [sum(r.values()) for r in cpu_rows],
-                     "model_cpu": model_step(name, mesh.pp.size, m, vpp, cpu_rows, latency)[0],
-                     "model_cpu_step_s": model_step(name, mesh.pp.size, m, vpp, cpu_rows, latency)[1],
-                     "model_wall": model_step(name, mesh.pp.size, m, vpp, wall_rows, latency)[0],
+                     "model_cpu": model_step(name, pp, m, vpp, cpu_rows, latency)[0],
+                     "model_cpu_step_s": model_step(name, pp, m, vpp, cpu_rows, latency)[1],
+                     "model_wall": model_step(name, pp, m, vpp, wall_rows, latency)[0],
+                     "model_cpu_per_repeat": [b for b, _ in models],
+                     "model_cpu_step_s_per_repeat": [t for _, t in models],
+                     "model_balanced_per_repeat": balanced, "model_stages_per_repeat": stages,
+                     "action_cpu_s": cpu_rows, "action_share_of_main_cpu": share,
                      "cpu_s": {"fivefold": statistics.median(cpu_ff),
                                "torch": statistics.median(cpu_tt) if cpu_tt else float("nan")},
                      "other_threads_cpu_s": {"fivefold": statistics.median(other_ff),
@@ -398,11 +535,15 @@ def main() -> None:
     batch = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
     measured: dict = {}
     cases = build_cases(config, mesh, batch, args.schedules.split(","), measured, args.recv_at_place)
+    usage: dict[str, list[StepUsage]] = {name: [] for name in cases}
+    cases = {name: usage_recorded(case, usage[name]) for name, case in cases.items()}
     results = alternate(cases, warmup=args.warmup, rounds=args.rounds, sync=dist.barrier)
     gather_peak_rss(results)
+    main_cpu = {name: main_cpu_per_rank(records[args.warmup:], mesh) for name, records in usage.items()}
     boundary = next(iter(measured.values()))[1][0].inputs.shape + (config.model.hidden,)
     transfer = transfer_cost(mesh, boundary)
     bubbles = measure_bubbles(measured, mesh, transfer["latency_s"])
+    action_cpu = {name: bubble.pop("action_cpu_s") for name, bubble in bubbles.items()}
     meta = {"pp": pp, "micro_batches": args.micro_batches, "config": args.config, "overrides": args.overrides,
             "malloc": args.malloc, "transfer": transfer}
     for name, measured_bubble in bubbles.items():
@@ -410,6 +551,8 @@ def main() -> None:
         meta[f"bubble {name}"] = measured_bubble | {"formula": bubble_formula(name, pp, args.micro_batches, vpp),
                                                     "formula_at_measured_times": formula_at(name, pp, args.micro_batches,
                                                                                             vpp, measured_bubble)}
+        meta[f"bubble {name}"] |= limits(name, meta[f"bubble {name}"], action_cpu.pop(name), main_cpu,
+                                         (pp, args.micro_batches, vpp), transfer)
     schedules = args.schedules.split(",")
     first = next(name for name in schedules if name not in OURS_ONLY)  # a case torch runs too
     ours_only_peer = "fivefold 1f1b" if "1f1b" in schedules else f"fivefold {first}"
@@ -440,9 +583,14 @@ def main() -> None:
                 print(f"{'':12s} step of the CPU-time model {b['model_cpu_step_s']:.3f} s, {ours_only_peer}'s "
                       f"{other:.3f} s: ratio {other / b['model_cpu_step_s']:.3f} "
                       "(CPU times: less load-dependent than wall times, not independent of it)")
-            if name not in OURS_ONLY:
-                print(f"{'':12s} ceiling of torch / fivefold time on the same compute, were fivefold's idle only "
-                      f"the CPU-time model's: {gain_ceiling(b['model_cpu'], b['torch']):.3f}")
+            print(f"{'':12s} {b['bubble_verdict']}")
+            if "ceiling" in b:
+                low, high, _ = median_interval(b["cpu_predicted_ratio"])
+                share = " ".join(f"{v:.1%}" for v in b["fivefold_actions_share"])
+                print(f"{'':12s} floor (executor model on the actions' CPU times) {b['floor_s']:.3f} s; the actions' share "
+                      f"of fivefold's main-thread CPU per rank {share}; torch / fivefold predicted from CPU "
+                      f"{statistics.median(b['cpu_predicted_ratio']):.3f} ({low:.3f}-{high:.3f})")
+                print(f"{'':12s} {b['verdict']}")
         print(f"transfer per micro-batch and boundary: {transfer['bytes']} bytes, latency median "
               f"{transfer['latency_s'] * 1e3:.3f} ms (min {transfer['latency_min_s'] * 1e3:.3f}), other threads' CPU "
               f"{transfer['other_threads_cpu_s'] * 1e3:.3f} ms per transfer (both ranks); a consumer waits "

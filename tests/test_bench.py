@@ -3,6 +3,7 @@ their ratios; that a case measured alone runs in a process where no other case w
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,8 +14,8 @@ import pytest
 
 from fivefold.tools import bench
 from fivefold.tools.bench import (
-    ALONE_ENV, ALONE_OUT_ENV, PRELOAD_ENV, SUITE, MemoryVariant, alone_memory, headline_rows, memory_pass,
-    per_round_ratio, suite_markdown,
+    ALONE_ENV, ALONE_OUT_ENV, PRELOAD_ENV, SUITE, MemoryVariant, alone_memory, ceiling_verdict, headline_rows,
+    median_interval, memory_pass, per_round_ratio, suite_markdown,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,8 @@ def test_the_summary_states_peer_over_fivefold_for_pairs_run_side_by_side():
         "dp=2 vs torch DDP", "dp vs ddp", pytest.approx(1.1), pytest.approx(1.5), False)
     markdown = suite_markdown(outcomes, {"cores": "2"})
     # no alone measurement: the shared-process peak, and the row says so
-    assert "| dp=2 vs torch DDP | dp vs ddp | 1.100 | 1.50 (shared) | – |" in markdown
+    # 3 rounds: the interval is their whole range, which holds the median 75% of the time
+    assert "| dp=2 vs torch DDP | dp vs ddp | 1.100 | 1.000–1.200, 75% | 1.50 (shared) | – |" in markdown
     assert "did not finish: exit code 1" in markdown and "cores: 2" in markdown
     assert "ZeRO-2 vs fivefold dp" not in markdown  # zero2 never ran beside dp: no row, no guess
 
@@ -85,7 +87,8 @@ def test_the_memory_ratio_is_held_memory_measured_alone_when_both_cases_have_it(
     (row,) = headline_rows(outcomes)
     assert row.memory_alone and row.memory_ratio == pytest.approx(1.5)
     markdown = suite_markdown(outcomes)
-    assert "| tp=2 vs DTensor parallelize_module | tp=2 | 1.200 | 1.50 | 200 / 300 |" in markdown
+    # one round: its ratio is the whole interval, which holds the median with probability 0
+    assert "| tp=2 vs DTensor parallelize_module | tp=2 | 1.200 | 1.200–1.200, 0% | 1.50 | 200 / 300 |" in markdown
     assert "| fivefold | 1.0000 | 1.000 | 2000 | 900 | 200 (120, 150; 110) |" in markdown
 
 
@@ -163,8 +166,8 @@ def test_a_case_name_the_benchmark_does_not_know_is_refused_with_the_names_it_kn
 def test_every_benchmark_of_the_suite_builds_only_the_case_measured_alone():
     # the guard each script needs, so that `bench all`'s memory pass measures one case at a time
     for entry in SUITE:
-        source = (ROOT / "benchmarks" / f"bench_{entry.name}.py").read_text()
-        assert "builds(" in source, f"bench_{entry.name}.py builds its cases without bench.builds"
+        source = (ROOT / "benchmarks" / entry.script_file).read_text()
+        assert "builds(" in source, f"{entry.script_file} builds its cases without bench.builds"
 
 
 def test_a_real_benchmark_run_alone_builds_one_case_and_reports_each_rank(tmp_path):
@@ -182,3 +185,114 @@ def test_a_real_benchmark_run_alone_builds_one_case_and_reports_each_rank(tmp_pa
     assert all(p >= b for p, b in zip(record["peak_rss_mb_per_rank"], record["rss_before_mb_per_rank"]))
     assert all(t >= 0.7 for t in record["live_tensors_mb_per_rank"])  # 4 experts x 3 x 64 x 256 fp32
     assert not (tmp_path / "unused.json").exists()  # the process ended after measuring, as the pass expects
+
+
+def test_the_median_interval_takes_the_order_statistics_that_cover_the_median_with_the_asked_probability():
+    # 3 values: only the whole range, which misses the median when all 3 fall on one side: 2 x 1/8
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, pytest.approx(0.75))
+    # 11 values: [x(3), x(9)] covers 1 - 2 P(Binomial(11, 1/2) <= 2) = 1 - 2 x 67/2048; [x(4), x(8)] would be < 0.9
+    values = [float(v) for v in (10, 0, 9, 1, 8, 2, 7, 3, 6, 4, 5)]
+    assert median_interval(values) == (2.0, 8.0, pytest.approx(1 - 2 * 67 / 2048))
+    assert median_interval(values, confidence=0.5) == (3.0, 7.0, pytest.approx(1 - 2 * 232 / 2048))
+    with pytest.raises(ValueError, match="at least one"):
+        median_interval([])
+
+
+def test_the_ceiling_verdict_claims_a_limit_only_when_the_whole_interval_is_below_the_target():
+    below, above, straddling = [1.01, 1.02, 1.03, 1.0, 1.04], [1.06, 1.2, 1.1, 1.08, 1.07], [1.0, 1.1, 1.02, 1.2, 1.01]
+    assert ceiling_verdict("torch-ddp", below).startswith("verdict: LIMIT. ceiling vs torch-ddp 1.020")
+    assert ceiling_verdict("torch-ddp", above).startswith("verdict: NO LIMIT.")
+    assert ceiling_verdict("torch-ddp", straddling).startswith("verdict: UNDECIDED.")
+    assert ceiling_verdict("torch-ddp", below, target=1.02).startswith("verdict: UNDECIDED.")
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dp_floor_bound_counts_waits_on_collectives_but_not_one_rank_waiting_for_a_late_other():
+    bench_dp = _load_script("bench_dp")
+    rounds = 5
+
+    def timed(seconds: float) -> bench.CaseResult:
+        return bench.CaseResult("x", [seconds] * rounds)
+
+    def per_rank(*values: float) -> list[list[float]]:
+        return [[v] * rounds for v in values]
+
+    # compute 1.0 CPU s per rank and the all-reduce 0.1: floor = 1.1 s on 2 cores. The peer spends
+    # the floor's CPU and waits 0.02 s on its last all-reduce on both ranks, rank 0 also 0.3 s for a
+    # late rank 1 (load): only the 0.02 enters the bound. fivefold's dp waits 0.2 s on both ranks.
+    cpu = {"compute": per_rank(1.0, 1.0), "all_reduce": per_rank(0.1, 0.1), "torch-ddp": per_rank(1.1, 1.1),
+           "fivefold-dp": per_rank(1.1, 1.1), "compute-zero1": per_rank(1.0, 1.0),
+           "reduce_scatter+all_gather": per_rank(0.1, 0.1), "torch-zero1": per_rank(1.1, 1.1),
+           "fivefold-zero1": per_rank(1.1, 1.1)}
+    blocked = {name: per_rank(0.0, 0.0) for name in cpu} | {
+        "torch-ddp": per_rank(0.32, 0.02), "fivefold-dp": per_rank(0.2, 0.2), "torch-zero1": per_rank(0.2, 0.2)}
+    results = {name: timed(2.0) for name in cpu}
+    report = bench_dp.floor_report(results, cpu, blocked, cores=2)
+    ddp, zero1 = report["torch-ddp"], report["torch-zero1"]
+    assert ddp["ceiling"] == [pytest.approx((2.2 + 0.04) / 2 / 1.1, abs=1e-4)] * rounds
+    assert ddp["fivefold_bound_over_floor"] == [pytest.approx((2.2 + 0.4) / 2 / 1.1, abs=1e-4)] * rounds
+    assert ddp["peer_skew_s"] == pytest.approx(0.3)
+    assert ddp["verdict"].startswith("verdict: LIMIT.")
+    assert ddp["cpu_ceiling"] == [pytest.approx(1.0)] * rounds and ddp["cpu_verdict"].startswith("verdict: LIMIT.")
+    assert zero1["ceiling"] == [pytest.approx((2.2 + 0.4) / 2 / 1.1, abs=1e-4)] * rounds
+    assert zero1["verdict"].startswith("verdict: NO LIMIT.")
+
+
+def test_the_pp_ceiling_is_torch_cpu_over_fivefold_compute_alone_in_the_same_round_through_the_executor_model():
+    bench_pp = _load_script("bench_pp")
+    pp, m = 2, 4
+    actions = [{**{("F", i, 0): 1.0 for i in range(m)}, **{("B", i, 0): 2.0 for i in range(m)}} for _ in range(pp)]
+    compute = sum(actions[0].values())
+    transfer = {"latency_s": 0.0, "wait_posted_late_s": 0.0}
+    bubble = {"formula": 1 / 5, "model_balanced_per_repeat": [0.2] * 3, "model_stages_per_repeat": [0.2] * 3,
+              "model_cpu_per_repeat": [0.3] * 3, "fivefold": 0.25, "action_share_of_main_cpu": [0.8, 0.8]}
+    # fivefold's main thread spends its actions' CPU / 0.8 in every round, torch 1.2x the compute
+    # in three rounds and 1.02x in two: the model is linear in the times, so the ceiling is the ratio
+    rounds = {"fivefold 1f1b": [[compute / 0.8] * pp] * 5,
+              "torch 1f1b": [[compute * 1.2] * pp] * 3 + [[compute * 1.02] * pp] * 2}
+    out = bench_pp.limits("1f1b", bubble, actions, rounds, (pp, m, 1), transfer)
+    assert out["ceiling"] == [pytest.approx(1.2)] * 3 + [pytest.approx(1.02)] * 2
+    assert out["cpu_predicted_ratio"][0] == pytest.approx(1.2 * 0.8)
+    assert out["verdict"].startswith("verdict: UNDECIDED.")
+    rounds["torch 1f1b"] = [[compute * 1.02] * pp] * 5
+    assert bench_pp.limits("1f1b", bubble, actions, rounds, (pp, m, 1), transfer)["verdict"].startswith(
+        "verdict: LIMIT.")
+    # the bubble: the stages' own times within the formula + 10% -> no limit, whatever the per-action times add
+    assert "verdict: NOT A LIMIT" in out["bubble_verdict"]
+    # equal stages already outside it -> a limit, and it says which step does it
+    bubble |= {"model_balanced_per_repeat": [0.3] * 3, "model_stages_per_repeat": [0.3] * 3}
+    verdict = bench_pp.limits("zb-h1", bubble, actions, rounds, (pp, m, 1), transfer)
+    assert set(verdict) == {"bubble_verdict"}  # torch runs no zb-h1: no ceiling
+    assert "verdict: LIMIT" in verdict["bubble_verdict"] and "already do on equal stages" in verdict["bubble_verdict"]
+    bubble |= {"model_balanced_per_repeat": [0.2] * 3}
+    assert "the stages' unequal times do" in bench_pp.limits("zb-h1", bubble, actions, rounds, (pp, m, 1),
+                                                             transfer)["bubble_verdict"]
+    rows = bench_pp.rank_mean_rows([{("F", 0, 0): 1.0, ("F", 1, 0): 3.0, ("B", 0, 0): 4.0}])
+    assert rows == [{("F", 0, 0): 2.0, ("F", 1, 0): 2.0, ("B", 0, 0): 4.0}]
+
+
+def test_the_suite_table_lists_the_verdicts_the_benchmarks_wrote():
+    floor_row = {"cpu_verdict": "verdict: LIMIT. ceiling vs torch-ddp 1.004", "verdict": "verdict: UNDECIDED. x"}
+    outcomes = {"dp-floor": [{"title": "floor", "baseline": "compute", "ratios": {}, "cases": {},
+                              "meta": {"floor": {"torch-ddp": floor_row}}}],
+                "pp": [{"title": "pp", "baseline": "torch gpipe", "ratios": {}, "cases": {},
+                        "meta": {"bubble 1f1b": {"bubble_verdict": "bubble: formula 11.1% verdict: LIMIT. y",
+                                                 "verdict": "verdict: LIMIT. ceiling vs torch 1f1b 0.992"},
+                                 "bubble zb-h1": {"bubble_verdict": "bubble: formula 4.0% verdict: LIMIT. z"},
+                                 "transfer": {"bytes": 1}}}]}
+    markdown = suite_markdown(outcomes)
+    assert "- dp-floor, against torch-ddp, work alone: verdict: LIMIT. ceiling vs torch-ddp 1.004" in markdown
+    assert "- dp-floor, against torch-ddp, wall on a quiet machine: verdict: UNDECIDED. x" in markdown
+    assert "- pp, 1f1b, against torch: verdict: LIMIT. ceiling vs torch 1f1b 0.992" in markdown
+    assert "- pp, zb-h1, bubble: formula 4.0% verdict: LIMIT. z" in markdown
+    assert "zb-h1, against torch" not in markdown
+    assert "## Limits" not in suite_markdown({"pp": "exit code 1"})
+    # the floor's entry runs bench_dp.py with --floor, and measures no memory (dp's cases already are)
+    (entry,) = [e for e in SUITE if e.name == "dp-floor"]
+    assert entry.script_file == "bench_dp.py" and "--floor" in entry.args and entry.memory == ()

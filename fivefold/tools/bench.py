@@ -17,6 +17,7 @@ size (imports, process group, data) is the baseline subtracted from every case's
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -98,6 +99,18 @@ def _run_measured(case: Callable[[], None], result: CaseResult) -> None:
     peak = peak_rss_mb()
     result.peak_rss_mb = max(result.peak_rss_mb, peak)
     result.extra["step_rise_mb"] = max(result.extra.get("step_rise_mb", 0.0), peak - before)
+
+
+def thread_schedstat() -> tuple[float, float]:
+    """(CPU seconds, seconds runnable but waiting for a core) of the calling thread, from
+    Linux's schedstat; without it, the thread's CPU time and no waiting. The waiting part is
+    what other threads (gloo's, other processes') took from this one."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns, _ = f.read().split()
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
 
 
 ALONE_ENV = "FIVEFOLD_BENCH_ALONE"  # the one case this process builds and measures
@@ -268,6 +281,54 @@ def compare(title: str, results: dict[str, CaseResult], baseline: str, meta: dic
     return Comparison(title, baseline, results, ratios, info)
 
 
+class MedianInterval(NamedTuple):
+    """Where the median of the distribution a benchmark's per-round values come from lies."""
+
+    low: float
+    high: float
+    coverage: float  # the probability that [low, high] holds that median
+
+
+def median_interval(values: list[float], confidence: float = 0.9) -> MedianInterval:
+    """A distribution-free interval for the median: the order statistics x(k) and x(n+1-k),
+    with the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least `confidence`.
+    It assumes only that rounds are independent draws, not that round times are normal (a loaded
+    machine's are not). With too few values for `confidence`, the whole range and its coverage,
+    1 - 2^(1-n): 3 rounds cover the median only 75% of the time, 11 rounds [x(3), x(9)] 93%."""
+    if not values:
+        raise ValueError("median_interval needs at least one value")
+    ordered, n = sorted(values), len(values)
+
+    def coverage(k: int) -> float:
+        below = sum(math.comb(n, i) for i in range(k)) / 2**n  # P(Binomial(n, 1/2) < k)
+        return 1.0 - 2.0 * below
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return MedianInterval(ordered[k - 1], ordered[n - k], coverage(k))
+
+
+TARGET_RATIO = 1.05  # the time ratio (peer / fivefold) every comparison is held to
+
+
+def ceiling_verdict(peer: str, ceilings: list[float], target: float = TARGET_RATIO) -> str:
+    """One line that says whether `target` is out of reach against `peer`, from per-round
+    ceilings (the most any implementation of the same work could gain on the peer, estimated in
+    each round): a limit when the interval of their median lies below `target`; no limit when
+    it lies at or above it (the peer leaves room, or the estimate does on this run); undecided
+    (more rounds needed) when it straddles it."""
+    median, (low, high, cover) = statistics.median(ceilings), median_interval(ceilings)
+    measured = f"ceiling vs {peer} {median:.3f} ({cover:.0%} interval {low:.3f}-{high:.3f}, {len(ceilings)} rounds)"
+    if high < target:
+        return (f"verdict: LIMIT. {measured} < {target}: no implementation of the same work on this machine "
+                f"can be {target}x faster than {peer}")
+    if low >= target:
+        return (f"verdict: NO LIMIT. {measured} >= {target}: {target}x over {peer} is not ruled out; what keeps "
+                "fivefold below it is its own overhead, or this run's load (see the waits above)")
+    return f"verdict: UNDECIDED. {measured} straddles {target}: rerun with more rounds"
+
+
 def print_table(comparison: Comparison) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -316,21 +377,37 @@ class SuiteEntry:
     without_deepspeed: tuple[str, ...] = ()  # arguments that leave DeepSpeed's cases out
     memory: tuple[MemoryVariant, ...] = (MemoryVariant(),)
     preload: tuple[str, ...] = ()
+    script: str = ""  # the benchmark script's name when it is not bench_<name>.py
+
+    @property
+    def script_file(self) -> str:
+        return f"bench_{self.script or self.name}.py"
 
 
 DEEPSPEED_DP_CASES = "deepspeed-zero1,deepspeed-zero2,deepspeed-zero3"
+# Rounds per benchmark. On a shared 2-core machine one round's ratio of the same pair ranged
+# from 0.57 to 1.72 (dp, 3 rounds), so a median of 3 is one draw from a wide spread: 3 rounds
+# hold the true median between their extremes only 75% of the time (`median_interval`), 9-11
+# rounds between their 2nd/3rd-lowest and -highest 93-96% of the time. The rounds are spent
+# where a round is cheap or the rows are close to 1.05 (single, dp, pp); tp and ep, far from
+# it, keep fewer. With the dp floor's verdicts they add about 6 minutes to a quiet run of
+# `bench all` (13 -> ~19 min, memory pass included).
 SUITE = (
-    SuiteEntry("single", 1, ("--rounds", "5", "--steps", "1", "--threads", "1", "--compile"),
+    SuiteEntry("single", 1, ("--rounds", "9", "--steps", "1", "--threads", "1", "--compile"),
                preload=("transformers.models.llama.modeling_llama", "torch._inductor.compile_fx")),
-    SuiteEntry("dp", 2, ("--rounds", "3"), "--json", ("--skip", DEEPSPEED_DP_CASES),
+    SuiteEntry("dp", 2, ("--rounds", "11"), "--json", ("--skip", DEEPSPEED_DP_CASES),
                preload=("deepspeed", "torch.distributed.fsdp", "torch.distributed.optim")),
-    SuiteEntry("tp", 2, ("--rounds", "3"),
+    # the verdicts of the limit against DDP and ZeroRedundancyOptimizer (CPU-based: see bench_dp.py);
+    # its cases are timed and measured alone in "dp" already, so no memory pass
+    SuiteEntry("dp-floor", 2, ("--floor", "--rounds", "9"), "--json", script="dp", memory=()),
+    SuiteEntry("tp", 2, ("--rounds", "5"),
                memory=(MemoryVariant(("--modes", "sp"), (("sequence_parallel", True),)),
                        MemoryVariant(("--modes", "nosp"), (("sequence_parallel", False),))),
                preload=("torch.distributed.tensor.parallel",)),
-    SuiteEntry("pp", 2, ("--rounds", "3", "--micro-batches", "8"), "--json", preload=("torch.distributed.pipelining",)),
-    SuiteEntry("ep", 2, ("--rounds", "5"), without_deepspeed=("--no-deepspeed",), preload=("deepspeed.moe.layer",)),
-    SuiteEntry("cp", 2, ("--seq", "2048", "--rounds", "3"), preload=("torch.distributed.tensor.experimental",)),
+    SuiteEntry("pp", 2, ("--rounds", "11", "--micro-batches", "8"), "--json",
+               preload=("torch.distributed.pipelining",)),
+    SuiteEntry("ep", 2, ("--rounds", "7"), without_deepspeed=("--no-deepspeed",), preload=("deepspeed.moe.layer",)),
+    SuiteEntry("cp", 2, ("--seq", "2048", "--rounds", "11"), preload=("torch.distributed.tensor.experimental",)),
 )
 PRELOAD_ENV = "FIVEFOLD_BENCH_PRELOAD"  # comma list of modules the launcher imports first
 # The memory pass runs glibc with a fixed mmap threshold: every block of 64 KiB or more is its own
@@ -352,7 +429,7 @@ def suite_command(entry: SuiteEntry, out: Path, with_deepspeed: bool, extra: tup
     module's launcher, which imports the modules named in FIVEFOLD_BENCH_PRELOAD first."""
     import sys
 
-    script = str(benchmarks_dir() / f"bench_{entry.name}.py")
+    script = str(benchmarks_dir() / entry.script_file)
     args = [*entry.args, *(() if with_deepspeed else entry.without_deepspeed), *extra, entry.out_flag, str(out)]
     launch = ["-m", __name__, script] if preloaded else [script]
     if entry.processes == 1:
@@ -508,6 +585,7 @@ class HeadlineRow(NamedTuple):
     label: str
     title: str  # the comparison that measured the pair
     time_ratio: float  # other's step time / fivefold's, median over rounds
+    interval: MedianInterval  # where that median lies (`median_interval` of the per-round ratios)
     memory_ratio: float  # other's memory / fivefold's
     memory_alone: bool  # True: held MB of each case measured alone; False: peak RSS in the shared process
     ours_mb: float
@@ -532,9 +610,11 @@ def headline_rows(outcomes: dict[str, list[dict] | str]) -> list[HeadlineRow]:
         for comparison in result if isinstance(result, list) else []:
             cases = comparison["cases"]
             if ours in cases and other in cases:
-                ratio = per_round_ratio(cases[other]["seconds"], cases[ours]["seconds"])
+                per_round = [a / b for a, b in zip(cases[other]["seconds"], cases[ours]["seconds"])]
                 ours_mb, other_mb, alone = pair_memory(cases[ours], cases[other])
-                rows.append(HeadlineRow(label, comparison["title"], ratio, other_mb / max(ours_mb, 1e-9), alone,
+                rows.append(HeadlineRow(label, comparison["title"],
+                                        per_round_ratio(cases[other]["seconds"], cases[ours]["seconds"]),
+                                        median_interval(per_round), other_mb / max(ours_mb, 1e-9), alone,
                                         ours_mb, other_mb))
     return rows
 
@@ -554,14 +634,46 @@ MEMORY_METHOD = (
 def summary_lines(outcomes: dict[str, list[dict] | str]) -> list[str]:
     lines = ["## Summary", "",
              "Time ratio = median over rounds of (other case's step time / fivefold's), both timed in the same "
-             "round: above 1 means fivefold is faster. " + MEMORY_METHOD, "",
-             "| comparison | measured in | time ratio | memory ratio | held MB, fivefold / other |",
-             "|---|---|---|---|---|"]
+             "round: above 1 means fivefold is faster. Interval: where the median of such per-round ratios lies, "
+             "with the probability given (distribution-free, from the rounds' order statistics; more rounds "
+             "narrow it). " + MEMORY_METHOD, "",
+             "| comparison | measured in | time ratio | interval (rounds) | memory ratio | held MB, fivefold / other |",
+             "|---|---|---|---|---|---|"]
     for row in headline_rows(outcomes):
         memory = f"{row.memory_ratio:.2f}" if row.memory_alone else f"{row.memory_ratio:.2f} (shared)"
         held = f"{row.ours_mb:.0f} / {row.other_mb:.0f}" if row.memory_alone else "–"
-        lines.append(f"| {row.label} | {row.title} | {row.time_ratio:.3f} | {memory} | {held} |")
+        low, high, cover = row.interval
+        lines.append(f"| {row.label} | {row.title} | {row.time_ratio:.3f} | {low:.3f}–{high:.3f}, {cover:.0%} "
+                     f"| {memory} | {held} |")
     return lines
+
+
+def limit_lines(outcomes: dict[str, list[dict] | str]) -> list[str]:
+    """The verdicts of the limit that the benchmarks wrote into their comparisons' meta: per peer
+    of `bench_dp.py --floor` (work alone, and wall on a quiet machine), per schedule of
+    bench_pp (the bubble, and the ceiling against torch)."""
+    lines = []
+    for name, result in outcomes.items():
+        for comparison in result if isinstance(result, list) else []:
+            meta = comparison.get("meta", {})
+            for peer, row in meta.get("floor", {}).items():
+                lines.append(f"- {name}, against {peer}, work alone: {row['cpu_verdict']}")
+                lines.append(f"- {name}, against {peer}, wall on a quiet machine: {row['verdict']}")
+            for key, row in meta.items():
+                if not (key.startswith("bubble ") and isinstance(row, dict)):
+                    continue
+                schedule = key.removeprefix("bubble ")
+                if "bubble_verdict" in row:
+                    lines.append(f"- {name}, {schedule}, {row['bubble_verdict']}")
+                if "verdict" in row:
+                    lines.append(f"- {name}, {schedule}, against torch: {row['verdict']}")
+    if not lines:
+        return []
+    return ["## Limits", "",
+            "Verdicts of the benchmarks against the 1.05 target and the bubble formula + 10%, from CPU times and "
+            "waits (how: benchmarks/README.md, `dp` and `pp`). LIMIT: no implementation of the same work can reach it "
+            "on this machine; NO LIMIT: the peer leaves room; UNDECIDED: the interval over rounds straddles it.", "",
+            *lines, ""]
 
 
 def alone_cells(case: dict) -> str:
@@ -591,7 +703,8 @@ def suite_markdown(outcomes: dict[str, list[dict] | str], meta: dict | None = No
     if meta:
         lines += [", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
     lines += summary_lines(outcomes)
-    lines += ["", "## Every comparison", "",
+    lines += ["", *limit_lines(outcomes)]
+    lines += ["## Every comparison", "",
               "Ratios below are medians of per-round time(case) / time(baseline); below 1 means faster than "
               "the baseline. Peak RSS, shared process: the case's own peak while every case of the comparison "
               "lived in one process (largest over ranks). Alone: the case in a process of its own (see the summary); "
