@@ -33,3 +33,21 @@ def test_held_memory_is_walked_only_at_the_step_a_run_reports_it(tmp_path, monke
     with torch.device("meta"):
         params = sum(p.numel() for p in Transformer(load_config("tiny").model).parameters())
     assert records[0]["held_bytes"] == [{"params": 4 * params, "grads": 4 * params, "optimizer": 8 * params}]
+
+
+def test_moe_routing_statistics_count_each_slot_once_under_full_recomputation():
+    """Full recomputation runs each block's forward again inside its backward; the routing
+    counters (tokens per expert, dropped slots, the ep dispatcher's) must not count that
+    second pass, or every statistic and the aux-loss-free bias update would see twice the load."""
+    from fivefold.layout import validate
+    from fivefold.mesh import Mesh
+    from fivefold.tools.parity import train_trace
+
+    traces = {}
+    for recompute in ("none", "full"):
+        config = validate(load_config("tiny-moe", [f"layout.recompute={recompute}", "model.capacity_factor=1.0",
+                                                   "model.dropless=false"]))
+        traces[recompute] = train_trace(config, Mesh.single(config.layout), steps=1, keep_params=False)
+    plain, recomputed = traces["none"].moe[0], traces["full"].moe[0]
+    assert any(layer["dropped_fraction"] > 0 for layer in plain.values())  # drops are counted too
+    assert recomputed == plain
