@@ -702,8 +702,8 @@ def squared_grad_sum(
             continue
         for start, end, copies in _copy_runs(bucket, lo, hi, mesh, sharded):
             run = grad[start - lo : end - lo]
-            norm = torch.linalg.vector_norm(run, dtype=torch.float32).double()
-            squares = widened_if_fp32_failed(norm * norm, run).cpu()
+            norm = torch.linalg.vector_norm(run, dtype=torch.float32).item()
+            squares = widened_if_fp32_failed(norm * norm, run)
             total += squares / copies if divide else squares
     return total
 
