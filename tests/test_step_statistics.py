@@ -46,7 +46,7 @@ def test_moe_routing_statistics_count_each_slot_once_under_full_recomputation():
     traces = {}
     for recompute in ("none", "full"):
         config = validate(load_config("tiny-moe", [f"layout.recompute={recompute}", "model.capacity_factor=1.0",
-                                                   "model.dropless=false"]))
+                                                   "model.dropless=false", "model.layers=2"]))
         traces[recompute] = train_trace(config, Mesh.single(config.layout), steps=1, keep_params=False)
     plain, recomputed = traces["none"].moe[0], traces["full"].moe[0]
     assert any(layer["dropped_fraction"] > 0 for layer in plain.values())  # drops are counted too
