@@ -36,7 +36,8 @@ Zero-bubble weight step
     bucket counting expects, and .grad gets the same sums as under 1F1B, bit for bit. From
     the second micro-batch on, a linear weight's dW is computed into one scratch buffer
     of the step and added into .grad there (autograd's accumulation gets an empty zero
-    gradient, so that the hooks still fire). The model stays plain PyTorch. Under recompute=full nothing is deferred (the recomputed forward would not rebuild the
+    gradient, so that the hooks still fire). The model stays plain PyTorch. Under
+    recompute=full nothing is deferred (the recomputed forward would not rebuild the
     deferred linears): B then computes every gradient and W has nothing left to do; the
     same under train.compile (a compiled block's backward cannot leave its matmuls behind).
 
