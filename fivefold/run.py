@@ -242,7 +242,7 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
         traced_step = min(max(start, 2), config.train.steps - 1) if config.train.trace else -1  # after warm-up
         for step in range(start, config.train.steps):
             with trace_step(model, run_dir, enabled=step == traced_step), profiler.step(step):
-                result = train_step(model, sampler, step)
+                result = train_step(model, sampler, step, measure_held=step == start)
             record = step_record(result, flops_per_token, peak)
             record.update(rank_measurements(model, result, device, with_held=step == start))
             if config.train.eval_interval and (step + 1) % config.train.eval_interval == 0:

@@ -41,7 +41,7 @@ class StepResult:
     tokens: int
     moe: dict[str, Any] = field(default_factory=dict)
     comm_bytes: dict[str, int] = field(default_factory=dict)  # wire bytes per comm.py axis, training only
-    held_bytes: dict[str, int] = field(default_factory=dict)  # params/grads/optimizer held after the reduction
+    held_bytes: dict[str, int] = field(default_factory=dict)  # params/grads/optimizer held after the reduction (measure_held)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of the step (PhaseClock)
 
 
@@ -178,8 +178,12 @@ def _wire_since(before: dict[tuple[str, str], int], mesh: Mesh) -> dict[str, int
     return out
 
 
-def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
-    """One optimizer step on the global batch of `step`."""
+def train_step(model: ParallelModel, sampler: Sampler, step: int, *, measure_held: bool = False) -> StepResult:
+    """One optimizer step on the global batch of `step`.
+
+    `measure_held` fills `held_bytes` (a walk over every parameter, gradient and optimizer
+    tensor, about a millisecond on the small preset): runs report it once, at their first step.
+    """
     start = time.perf_counter()
     wire_before = dict(model.mesh.stats.wire)
     device = model.device
@@ -192,8 +196,10 @@ def train_step(model: ParallelModel, sampler: Sampler, step: int) -> StepResult:
     clock.lap("forward_backward")  # compute, tp/cp/ep/pp communication, pipeline bubble
     model.optimizer.finish_grad_sync()
     clock.lap("grad_sync")  # the data-parallel reduction not hidden behind the backward
-    held = held_memory(model.chunks, model.optimizer).without_padding()
-    clock.lap("statistics")
+    held: dict[str, int] = {}
+    if measure_held:
+        held = held_memory(model.chunks, model.optimizer).without_padding()
+        clock.lap("statistics")
     grad_norm = model.optimizer.clip_grad_norm(model.config.train.grad_clip)
     clock.lap("grad_norm")
     lr = lr_at(step, model.config.train)

@@ -219,29 +219,43 @@ def analytic_cp_bytes(algorithm: str, cp: int, batch: int, local_len: int, heads
 # ----------------------------------------------------------------------------- expert parallel
 
 
-def ep_layer_calls(routed_bytes: int, forward_passes: int = 1) -> list[Call]:
+def ep_layer_calls(routed_bytes: int, num_experts: int, forward_passes: int = 1, count_bytes: int = 8) -> list[Call]:
     """One MoE layer, one micro-batch, balanced routing: dispatch and combine all-to-alls of
-    the rank's routed token copies (``routed_bytes``) forward and again backward."""
-    return [Call("all_to_all", routed_bytes, 2 * forward_passes, "fwd", "dispatch + combine"),
+    the rank's routed token copies (``routed_bytes``) in each forward pass and once backward;
+    each dispatch first exchanges the slots per expert (``num_experts`` int64 counts).
+
+    A recomputed forward (`forward_passes`) exchanges all three again: the combine's output
+    is saved by the weighting of the expert outputs that follows it, so torch's checkpoint
+    does not stop before it."""
+    return [Call("all_to_all", num_experts * count_bytes, forward_passes, "fwd", "slots per expert"),
+            Call("all_to_all", routed_bytes, 2 * forward_passes, "fwd", "dispatch + combine"),
             Call("all_to_all", routed_bytes, 2, "bwd", "dispatch + combine grads")]
 
 
+def forward_passes(recompute: str) -> int:
+    """Forward passes of a layer per micro-batch: full recomputation runs it again in backward
+    (selective recomputation repeats only the attention core, which has no collective)."""
+    return 2 if recompute == "full" else 1
+
+
 def all_to_all_wire_bytes(sent: torch.Tensor, rank: int, hidden: int, element_bytes: int, calls: int,
-                          count_bytes: int = 8) -> int:
-    """All-to-all bytes one ep rank puts on the wire, forward and backward, for actual routing.
+                          count_bytes: int = 8, forward_passes: int = 1) -> int:
+    """All-to-all bytes one ep rank puts on the wire, forward and backward, for actual routing:
+    `ep_layer_calls` with the routed rows counted rather than assumed balanced.
 
     sent (ep, E) tensor: slots each ep rank sent to each global expert (summed over calls).
     Forward dispatch sends this rank's rows for other ranks' experts and combine returns the
-    rows it received from others; backward sends both again in reverse. Each of the
-    ``calls`` dispatches also exchanges its E/ep counts with the ep - 1 other ranks.
+    rows it received from others, in each of the ``forward_passes``; backward sends both
+    again in reverse. Each of the ``calls`` dispatches also exchanges its E/ep counts with
+    the ep - 1 other ranks in every forward pass.
     """
     ep, E = sent.shape
     local = E // ep
     mine = slice(rank * local, (rank + 1) * local)
     sent_to_others = int(sent[rank].sum() - sent[rank, mine].sum())
     received_from_others = int(sent[:, mine].sum() - sent[rank, mine].sum())
-    tokens = 2 * (sent_to_others + received_from_others) * hidden * element_bytes
-    return tokens + calls * (ep - 1) * local * count_bytes
+    tokens = (forward_passes + 1) * (sent_to_others + received_from_others) * hidden * element_bytes
+    return tokens + forward_passes * calls * (ep - 1) * local * count_bytes
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -2,9 +2,8 @@
 
 Each case builds one rank of a published-size layout, runs one training step's code, and
 holds the rank's bytes against the planner's estimate for its pipeline stage: parameters,
-gradients and optimizer state within 1%, bytes per axis exactly (MoE layouts also send
-their per-expert token counts before each dispatch, which the planner leaves out: checked
-exactly below). Activation bytes
+gradients and optimizer state within 1%, bytes per axis exactly (MoE layouts included:
+the planner counts the slots per expert each dispatch exchanges first). Activation bytes
 are within 5% of the planner's (see `_check_activations` for what differs); the dense case
 also checks them against the per-layer derivation (fivefold/tools/saved_activations.py). Global batches are cut to a
 few micro-batches per rank to keep the cases fast; the 405B case is the published one.
@@ -71,14 +70,6 @@ def _check_comm_exact(rows: dict) -> None:
         assert measured == planned, (axis, measured, planned)
 
 
-def _expert_counts_bytes(config, moe_layers: int) -> int:
-    """ep bytes a MoE step sends that the planner does not model: before each dispatch every
-    rank sends its E/ep int64 token counts to the ep - 1 others (one dispatch per MoE layer and
-    micro-batch; the backward moves rows only)."""
-    layout, model = config.layout, config.model
-    return moe_layers * layout.grad_accum * (layout.ep - 1) * (model.num_experts // layout.ep) * 8
-
-
 def test_llama3_8b_data_parallel_matches_planner_and_own_derivation():
     report = _dry_run("llama3-8b", "dp=8", 8, "--train.global_batch=8")
     (result,) = report.results
@@ -138,12 +129,10 @@ def test_moe_expert_parallel(preset, layout, world, overrides):
     rows = _rows(report, result)
     _check_states(rows)
     _check_activations(rows)
-    model = report.config.model
-    counts = _expert_counts_bytes(report.config, sum(model.is_moe_layer(i) for i in range(model.layers)))
     comm = _comm(rows)
     assert set(comm) == {"dp", "ep"}
     assert comm["dp"][0] == comm["dp"][1]
-    assert comm["ep"][0] == comm["ep"][1] + counts, (comm["ep"], counts)
+    assert comm["ep"][0] == comm["ep"][1], comm["ep"]  # the tokens and the slots per expert
 
 
 def test_long_context_ring_attention_cp16():

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from .attention import Attention, rope_tables
 from .init import initial_value
-from .moe import ROUTING_COUNTERS, MoE
+from .moe import ROUTING_COUNTERS, MoE, routing_uncounted
 
 
 def _without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
@@ -133,8 +133,13 @@ class Block(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.recompute_full and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope[0], rope[1], documents, use_reentrant=False)
+            return checkpoint(self._forward, x, rope[0], rope[1], documents, use_reentrant=False,
+                              context_fn=self._recomputation_contexts)
         return self._forward(x, rope[0], rope[1], documents)
+
+    def _recomputation_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """(forward, recomputation): the recomputed forward leaves routing statistics uncounted."""
+        return contextlib.nullcontext(), routing_uncounted(self)
 
 
 class Transformer(nn.Module):

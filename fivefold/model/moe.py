@@ -19,8 +19,9 @@ Parallel layouts plug in through two attributes, set from outside:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -260,6 +261,7 @@ class MoE(nn.Module):
         self.token_stats_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.capacity_offsets: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Per-step statistics, summed over micro-batches; the training loop reads and resets them.
+        self.counting = True  # False while a recomputed forward routes the same tokens again
         self.tokens_per_expert: torch.Tensor
         self.dropped_slots: torch.Tensor
         self.register_buffer(TOKENS_PER_EXPERT, torch.zeros(num_experts), persistent=False)
@@ -312,7 +314,23 @@ class MoE(nn.Module):
         y = combine_slots(rows, order, tokens, weights.reshape(B * T, -1)).view(B, T, h)
         if self.shared is not None:
             y = y + self.shared(x)
-        with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).float()
-            self.dropped_slots += (~keep).sum().float()
+        if self.counting:
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).float()
+                self.dropped_slots += (~keep).sum().float()
         return y, self._aux_loss(logits, probs, ids)
+
+
+@contextlib.contextmanager
+def routing_uncounted(module: nn.Module) -> Iterator[None]:
+    """Inside, the MoE layers under `module` and their dispatchers (whatever has a `counting`
+    flag) route without adding to their per-step counters: full recomputation runs a block's
+    forward again in its backward, routing the same token-slots a second time."""
+    counters = [m for m in module.modules() if getattr(m, "counting", False)]
+    for m in counters:
+        setattr(m, "counting", False)  # noqa: B010 (nn.Module types its attributes as tensors or modules)
+    try:
+        yield
+    finally:
+        for m in counters:
+            setattr(m, "counting", True)  # noqa: B010

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from ..mesh import Axis, Mesh
 from . import comm
-from .optim import AdamWSettings, Synchronised, adamw_multi_update_, decays, master_copy
+from .optim import AdamWSettings, Synchronised, adamw_multi_update_, decays, master_copy, widened_if_fp32_failed
 from .protocols import GradFinalizer, GradientSynchroniser, ShardedState, ShardReader
 from .sharding import Placement, ShardSpec, get_placement, replica_count
 
@@ -705,8 +705,10 @@ def squared_grad_sum(
         if grad is None:
             continue
         for start, end, copies in _copy_runs(bucket, lo, hi, mesh, sharded):
-            norm = torch.linalg.vector_norm(grad[start - lo : end - lo], dtype=torch.float32).double().cpu()
-            total += norm * norm / copies if divide else norm * norm
+            run = grad[start - lo : end - lo]
+            norm = torch.linalg.vector_norm(run, dtype=torch.float32).item()
+            squares = widened_if_fp32_failed(norm * norm, run)
+            total += squares / copies if divide else squares
     return total
 
 

@@ -94,6 +94,8 @@ class ExpertParallelDispatcher(nn.Module):
 
     `sent_counts` (E,) accumulates the slots this rank sent to each global expert and `calls`
     the dispatches since the last `reset_counters()`: the routing behind the all-to-all bytes.
+    A recomputed forward (full recomputation) dispatches again without counting: its bytes
+    are `volumes.all_to_all_wire_bytes` with two forward passes.
     """
 
     def __init__(self, ep: Axis, num_experts: int) -> None:
@@ -101,6 +103,7 @@ class ExpertParallelDispatcher(nn.Module):
         self.ep, self.num_experts = ep, num_experts
         self.sent_counts = torch.zeros(num_experts, dtype=torch.int64)
         self.calls = 0
+        self.counting = True  # False while a recomputed forward dispatches again (model.moe.routing_uncounted)
 
     def reset_counters(self) -> None:
         self.sent_counts = torch.zeros(self.num_experts, dtype=torch.int64)
@@ -109,9 +112,10 @@ class ExpertParallelDispatcher(nn.Module):
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """rows (S_kept, h) of the kept slots, grouped by global expert, counts (E,) rows each.
         Returns the experts' outputs for those rows, in the same order."""
-        with torch.no_grad():
-            self.sent_counts += counts.cpu()
-            self.calls += 1
+        if self.counting:
+            with torch.no_grad():
+                self.sent_counts += counts.cpu()
+                self.calls += 1
         return self._exchange_and_compute(rows, counts, experts)
 
     def _exchange_and_compute(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:

@@ -165,8 +165,11 @@ def _unpack_tails(tails: list[tuple[torch.Tensor, ...]], scratch: torch.Tensor) 
         start += n
 
 
-def squared_sum(grad: torch.Tensor) -> torch.Tensor:
-    """The sum of squares of one gradient's elements, as a float64 scalar.
+_FP32 = torch.finfo(torch.float32)
+
+
+def squared_sum(grad: torch.Tensor) -> float:
+    """The sum of squares of one gradient's elements, as a Python float (fp64).
 
     One fp32 dot product of the flattened gradient with itself: a single BLAS call that
     neither allocates nor makes a pass per element-wise op. An fp64 copy squared and summed
@@ -174,12 +177,31 @@ def squared_sum(grad: torch.Tensor) -> torch.Tensor:
     element-wise pass stalls whenever another process holds one of the cores. The BLAS
     kernel accumulates in several fp32 lanes; on the model's gradients it is within ~2e-7
     of the exact fp64 sum, closer than the fp32 norms the flat-buffer optimizers take.
-    bf16 gradients are widened first, so no product rounds to bf16.
+    bf16 gradients are widened first, so no product rounds to bf16. Where fp32 cannot hold
+    the sum, see `widened_if_fp32_failed`. The caller adds the sums of many gradients: as
+    Python floats that costs no tensor operation per gradient (the result is read once,
+    which the range check needs anyway).
     """
     flat = grad.reshape(-1)
     if flat.dtype in (torch.bfloat16, torch.float16):
         flat = flat.float()
-    return torch.dot(flat, flat).double()
+    return widened_if_fp32_failed(torch.dot(flat, flat).item(), flat)
+
+
+def widened_if_fp32_failed(fp32_squares: float, flat: torch.Tensor) -> float:
+    """`fp32_squares` (the fp32 sum of the squares of `flat`), or the sum taken again in fp64
+    where fp32 could not hold it. fp64 holds the square of any fp32 value, so the result is
+    inf or nan only when `flat` holds one. fp32 fails:
+    - above its largest value: the sum has overflowed to inf (elements from about 1e19 on);
+    - below numel * its smallest normal: squares under the smallest normal (each rounded to
+      a multiple of 2**-149) could be more than ~1e-7 of the sum, or all of it (the squares
+      of 1e-25 flush to 0).
+    Inside those bounds it costs one comparison: no pass over the gradient.
+    """
+    if flat.numel() * _FP32.tiny <= fp32_squares <= _FP32.max:
+        return fp32_squares
+    wide = flat.double()
+    return torch.dot(wide, wide).item()
 
 
 def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
@@ -187,12 +209,13 @@ def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> t
 
     A shard replicated on r ranks adds 1/r of its square on each, then one sum over the world.
     """
-    total = torch.zeros((), dtype=torch.float64)
+    local = 0.0
     for name, param in named:
         if param.grad is None:
             continue
         r = replica_count(get_placement(param, name), mesh)
-        total += squared_sum(param.grad.detach()).cpu() / r
+        local += squared_sum(param.grad.detach()) / r
+    total = torch.tensor(local, dtype=torch.float64)
     if mesh.world.size > 1:
         comm.all_reduce(total, mesh.world)
     return total.sqrt()

@@ -16,7 +16,7 @@ head repeated when t > kv (`fivefold.volumes.local_kv_heads`). Per axis:
   `volumes.tp_end_calls`; once per step, gradients partial over tp: `volumes.tp_step_calls`.
 * cp, per layer and micro-batch: `volumes.cp_layer_calls` (all-gather, ring or Ulysses).
 * ep, per MoE layer and micro-batch: `volumes.ep_layer_calls` for the b (s/c) k routed
-  token copies of k h elements each, balanced routing assumed.
+  token copies of h elements each, balanced routing assumed, and the slots per expert.
 * pp, per micro-batch and model chunk: a send of the chunk's output activation (X, divided
   by t with SP) forward and of its input gradient backward; with tied embeddings and pp > 1
   one all-reduce of the word-embedding gradient between the first and last stage.
@@ -82,7 +82,7 @@ def _collectives(axis: str, calls: list[Call], group: int, span: int, times: flo
 
 
 def _forward_passes(lay: LayoutSpec) -> int:
-    return 2 if lay.recompute == "full" else 1
+    return volumes.forward_passes(lay.recompute)
 
 
 def tp_layers(m: ModelSpec, lay: LayoutSpec, ab: int, layer_mbs: float) -> list[Collective]:
@@ -123,7 +123,7 @@ def ep_layers(m: ModelSpec, lay: LayoutSpec, ab: int, moe_layer_mbs: float) -> l
     """Expert-parallel dispatch/combine all-to-alls of ``moe_layer_mbs`` MoE layer passes."""
     if lay.ep == 1 or moe_layer_mbs == 0:
         return []
-    calls = volumes.ep_layer_calls(_act_elems(m, lay) * m.top_k * ab, _forward_passes(lay))
+    calls = volumes.ep_layer_calls(_act_elems(m, lay) * m.top_k * ab, m.num_experts, _forward_passes(lay))
     return _collectives("ep", calls, lay.ep, lay.tp * lay.ep, moe_layer_mbs)
 
 
