@@ -223,8 +223,8 @@ def test_commit_is_atomic_and_keeps_the_last_k(dense_run, tmp_path):
 def test_sigterm_checkpoints_and_stops_after_the_current_step(tmp_path, monkeypatch):
     import fivefold.run as run
 
-    def step_then_terminate(model, sampler, step):
-        result = train_step(model, sampler, step)
+    def step_then_terminate(model, sampler, step, **options):
+        result = train_step(model, sampler, step, **options)
         if step == 0:
             os.kill(os.getpid(), signal.SIGTERM)
         return result
