@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--floor", action="store_true",
                    help="also time the step's GEMM, attention and AdamW kernels replayed alone (step_floor.py): "
                         "transformers' time / that is the largest speed-up any compilation can reach")
+    p.add_argument("--autograd-swiglu", action="store_true",
+                   help="also time fivefold's fwd_bwd with SwiGLU differentiated by autograd (silu(gate) * up) "
+                        "instead of its in-place function, alternated with the rest; prints the CPU-time ratio")
     p.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
                    help="after timing, profile ROUNDS alternated train steps of each side and print "
                         "self CPU seconds and calls per aten op, per step (torch.profiler)")
@@ -202,6 +205,20 @@ def transformers_cases(hf, config: Config, sampler: Sampler, steps: int) -> dict
             opt.zero_grad(set_to_none=True)
 
     return {"train": train, "fwd_bwd": fwd_bwd}
+
+
+def with_autograd_swiglu(case: Callable[[], None]) -> Callable[[], None]:
+    """`case` with the model's SwiGLU as autograd differentiates it: the ablation of its function."""
+    from fivefold.model import llama
+
+    def run() -> None:
+        ours, llama.swiglu = llama.swiglu, lambda gate, up: F.silu(gate) * up
+        try:
+            case()
+        finally:
+            llama.swiglu = ours
+
+    return run
 
 
 def matmul_case(config: Config, reps: int) -> tuple[Callable[[], None], float]:
@@ -445,6 +462,8 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
     if args.compile and builds("fivefold+compile train", "fivefold+compile fwd_bwd"):
         compiled, compile_s = compiled_cases(config, sampler, args.steps)
         cases |= {"fivefold+compile train": compiled["train"], "fivefold+compile fwd_bwd": compiled["fwd_bwd"]}
+    if args.autograd_swiglu and model is not None:
+        cases["fivefold autograd-swiglu fwd_bwd"] = with_autograd_swiglu(ours["fwd_bwd"])
     if args.floor and hf is not None:
         from step_floor import floor_case
 
@@ -459,6 +478,9 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
     print_report(comparisons, summary, equivalence, config)
     if compile_s is not None:
         print(f"train.compile: first fwd_bwd call (compilation included) took {compile_s:.1f} s")
+    if "fivefold autograd-swiglu fwd_bwd" in cpu:
+        ratio = ratio_spread(cpu["fivefold fwd_bwd"], cpu["fivefold autograd-swiglu fwd_bwd"])
+        print(f"fwd_bwd CPU time, SwiGLU by autograd / by fivefold's function, per-round: {_fmt(ratio)}")
     if "floor" in results:
         from step_floor import floor_ratios
 

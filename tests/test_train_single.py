@@ -225,3 +225,32 @@ def test_rope_is_bitwise_rotate_half(dtype):
         y.backward(grad)
         y_ref.backward(grad)
         assert torch.equal(y, y_ref) and torch.equal(x.grad, ref.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_backward_in_place_is_bitwise_autograd(dtype):
+    """The SwiGLU function gives autograd's bits forward and backward, saves the same tensors,
+    and, having written its gradients into the saved buffers, refuses a second backward."""
+    import torch.nn.functional as F
+
+    from fivefold.model.llama import swiglu
+
+    gen = torch.Generator().manual_seed(SEED)
+    gate0, up0, grad = (torch.randn(2, 16, 48, generator=gen).to(dtype) for _ in range(3))
+
+    def run(fn):
+        gate, up = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
+        saved: list[tuple] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.shape, t.dtype)) or t, lambda t: t):
+            y = fn(gate * 1, up * 1)  # fresh projections' outputs, as in the MLP
+        y.backward(grad, retain_graph=True)
+        return y, gate.grad, up.grad, saved
+
+    ours, theirs = run(swiglu), run(lambda g, u: F.silu(g) * u)
+    assert all(torch.equal(a, b) for a, b in zip(ours[:3], theirs[:3]))
+    assert sorted(ours[3], key=str) == sorted(theirs[3], key=str)
+    gate, up = gate0.clone().requires_grad_(), up0.clone().requires_grad_()
+    y = swiglu(gate * 1, up * 1)
+    y.backward(grad, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(grad)

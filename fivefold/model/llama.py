@@ -78,6 +78,46 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
+class _SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up, with a backward that writes into the buffers it frees.
+
+    Autograd differentiates silu and mul into three new ffn-wide tensors; the same three
+    products (silu_backward, and the two halves of the mul's gradient) are written here into
+    silu(gate), up and gate, which nothing needs once their gradients are formed: no new
+    buffers, and no write into memory that is not already in use. The forward is the usual
+    one, op for op, and saves what autograd saved (gate, silu(gate), up).
+
+    The inputs must be the gate and up projections' own outputs, held by nothing else: the
+    backward overwrites them (their version counters move, so a second backward through the
+    same graph fails loudly instead of reading them).
+    """
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate, up, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up, activated = ctx.saved_tensors
+        grad_up = torch.mul(grad, activated, out=activated)
+        grad_activated = torch.mul(grad, up, out=up)
+        grad_gate = torch.ops.aten.silu_backward.grad_input(grad_activated, gate, grad_input=gate)
+        return grad_gate, grad_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of two projections' fresh outputs (see _SwiGLUFunction).
+
+    A compiled region takes the plain expression: inductor fuses it, forward and backward,
+    into single kernels of its own.
+    """
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or gate.shape != up.shape or gate.dtype != up.dtype:
+        return F.silu(gate) * up
+    return _SwiGLUFunction.apply(gate, up)
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -88,7 +128,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(swiglu(self.gate(x), self.up(x)))
 
 
 def build_mlp(config: ModelConfig, index: int) -> nn.Module:
