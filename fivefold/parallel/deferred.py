@@ -24,11 +24,10 @@ class PendingWeightGrad:
     output_grad: torch.Tensor  # dy
 
 
-def weight_grad(item: PendingWeightGrad, out: torch.Tensor | None = None) -> torch.Tensor:
-    """dW = dy^T x of one pending use of a weight, in dy's dtype, shaped like the weight
-    (written into `out` when given: the same GEMM, the same bits)."""
+def weight_grad(item: PendingWeightGrad) -> torch.Tensor:
+    """dW = dy^T x of one pending use of a weight, in dy's dtype, shaped like the weight."""
     dy, x = item.output_grad, item.input.to(item.output_grad.dtype)
-    return torch.matmul(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]), out=out)
+    return dy.reshape(-1, dy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
 class _DeferredLinear(torch.autograd.Function):

@@ -33,10 +33,13 @@ Zero-bubble weight step
     accumulated. The weight step (W) does the deferred work, dW = dy^T x for each linear,
     and accumulates every gradient of the micro-batch through autograd, so each
     parameter's accumulation hook fires once per micro-batch, in W, as data parallel's
-    bucket counting expects, and .grad gets the same sums as under 1F1B, bit for bit. From
-    the second micro-batch on, a linear weight's dW is computed into one scratch buffer
-    of the step and added into .grad there (autograd's accumulation gets an empty zero
-    gradient, so that the hooks still fire). The model stays plain PyTorch. Under
+    bucket counting expects. From the second micro-batch on, a linear weight's dW goes
+    straight into its .grad (one GEMM that adds, no temporary and no second pass to add it:
+    1F1B's backward computes dW and then adds it) and autograd's accumulation gets an empty
+    zero gradient, so that the hooks still fire. Past one block of the GEMM's inner dimension
+    (512 rows of a micro-batch on MKL) the GEMM adds each block's partial product in turn, so
+    .grad differs from 1F1B's in the last bits: the order of a reduction changes, and parity
+    holds within the fp32 tolerance, not bit for bit. The model stays plain PyTorch. Under
     recompute=full nothing is deferred (the recomputed forward would not rebuild the
     deferred linears): B then computes every gradient and W has nothing left to do; the
     same under train.compile (a compiled block's backward cannot leave its matmuls behind).
@@ -257,28 +260,13 @@ class _GradientLink(torch.autograd.Function):
         return grad if ctx.needs_input_grad[0] else None, ctx.compute(), None
 
 
-class _Scratch:
-    """One buffer a weight step computes dW into, reused from weight to weight (one
-    allocation per step instead of one per weight: each is a heap grow and trim)."""
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-
-    def shaped_like(self, grad: torch.Tensor) -> torch.Tensor:
-        n, buffer = grad.numel(), self.buffer
-        if buffer is None or buffer.numel() < n or buffer.dtype != grad.dtype or buffer.device != grad.device:
-            buffer = self.buffer = torch.empty(n, dtype=grad.dtype, device=grad.device)
-        return buffer[:n].view(grad.shape)
-
-
-def _adds_into_grad(param: torch.Tensor, items: list[PendingWeightGrad], held: torch.Tensor | None) -> bool:
-    """Whether W can add `param`'s one deferred dW into its .grad itself: .grad holds an
-    earlier micro-batch's gradient, dense, in the dtype of x and dy, and B held nothing."""
+def _takes_in_place(param: torch.Tensor, items: list[PendingWeightGrad]) -> bool:
+    """Whether `param.grad` can take every dy^T x of `items` in place: it holds an earlier
+    micro-batch's gradient, dense, in the dtype of each x and dy."""
     grad = param.grad
-    if held is not None or len(items) != 1 or grad is None:
+    if grad is None or grad.layout != torch.strided or not grad.is_contiguous():
         return False
-    dense = grad.layout == torch.strided and grad.is_contiguous()
-    return dense and items[0].input.dtype == items[0].output_grad.dtype == grad.dtype
+    return all(item.input.dtype == item.output_grad.dtype == grad.dtype for item in items)
 
 
 def _no_further_gradient(param: torch.Tensor) -> torch.Tensor:
@@ -290,23 +278,22 @@ def _no_further_gradient(param: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False, is_coalesced=True)
 
 
-def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: torch.Tensor | None,
-                     scratch: _Scratch):
+def _weight_gradient(param: torch.Tensor, items: list[PendingWeightGrad], held: torch.Tensor | None):
     """A function computing `param`'s whole gradient of one micro-batch: what B held plus
     dy^T x of each deferred use of it; it drops (x, dy) as it goes.
 
-    Autograd's accumulation adds it into .grad as a plain backward adds the same GEMM's dW,
-    so the sum is bitwise 1F1B's. From the second micro-batch on, a weight's one dW is
-    computed into `scratch` and added into .grad here, the same addition without a fresh
-    temporary. A GEMM that adds into .grad itself (addmm_, beta = 1) would not give those
-    bits: past one block of its inner dimension (512 rows of a micro-batch on MKL) it adds
-    each block's partial product to .grad in turn.
+    A weight only deferred uses reach, whose .grad already holds an earlier micro-batch's
+    gradient, takes each dy^T x in place as one GEMM that adds into .grad (beta = 1):
+    no dW temporary, and no second pass that reads it and .grad again to add them.
     """
 
     def compute() -> torch.Tensor | None:
-        if _adds_into_grad(param, items, held):
-            assert param.grad is not None  # _adds_into_grad: an earlier micro-batch's gradient is there
-            param.grad.add_(weight_grad(items.pop(), out=scratch.shaped_like(param.grad)))
+        if held is None and items and _takes_in_place(param, items):
+            assert param.grad is not None  # _takes_in_place: an earlier micro-batch's gradient is there
+            while items:
+                item = items.pop(0)
+                dy, x = item.output_grad, item.input
+                param.grad.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
             return _no_further_gradient(param)
         grad = held
         while items:
@@ -338,10 +325,10 @@ def apply_deferred_weight_grads(pending: list[PendingWeightGrad], held: dict | N
     pending.clear()
     if not keys:
         return
-    link, scratch = torch.zeros(()), _Scratch()
+    link = torch.zeros(())
     for key in reversed(keys):  # the last link built runs first
         grad = held[key][1] if key in held else None
-        link = _GradientLink.apply(link, params[key], _weight_gradient(params[key], uses.get(key, []), grad, scratch))
+        link = _GradientLink.apply(link, params[key], _weight_gradient(params[key], uses.get(key, []), grad))
     held.clear()
     uses.clear()
     torch.autograd.backward([link], [torch.zeros(())])
