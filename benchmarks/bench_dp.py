@@ -410,6 +410,7 @@ def run_micro_benchmark(args, config: Config, sampler: Sampler) -> None:
 
 ZERO_BOUND = 1.03  # ZeRO-2/3 within 3% of plain data parallel on the same work
 ZERO3_FLOOR = "fivefold-dp+zero3-regathers"
+BUSY_UTILISATION = 0.8  # below it, other processes held the cores for a fifth of the step or more
 
 
 def zero_verdict(results: dict, cpu: dict[str, list[list[float]]], facts: dict) -> dict:
@@ -453,9 +454,11 @@ def print_zero_verdict(v: dict) -> None:
     if floor["cpu"] > ZERO_BOUND:
         print(f"  the all-gathers ZeRO-3 adds cost more than {ZERO_BOUND - 1:.0%} of dp's CPU here: no implementation "
               "that sends ZeRO-3's bytes over these cores comes within the bound")
+    loaded = v["dp_utilisation"] < BUSY_UTILISATION
     print("  utilisation, both ranks' CPU / (wall x cores): " + ", ".join(
         f"{name} {v[name]['utilisation']:.2f}" for name in ("fivefold-zero2", "fivefold-zero3", ZERO3_FLOOR))
-        + f", fivefold-dp {v['dp_utilisation']:.2f} (far below 1: other processes held the cores, the wall ratios say little)")
+        + f", fivefold-dp {v['dp_utilisation']:.2f}"
+        + (" (far below 1: other processes held the cores, the wall ratios say little)" if loaded else ""))
 
 
 FLOORS = {  # peer: (its fivefold counterpart, the compute alone, the collectives alone)
