@@ -576,9 +576,14 @@ HEADLINE = (
 )
 
 
+def per_round_ratios(numerator: list[float], denominator: list[float]) -> list[float]:
+    """numerator / denominator of each round, both timed in the same round."""
+    return [a / b for a, b in zip(numerator, denominator)]
+
+
 def per_round_ratio(numerator: list[float], denominator: list[float]) -> float:
     """Median over rounds of numerator / denominator, both timed in the same round."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
+    return statistics.median(per_round_ratios(numerator, denominator))
 
 
 class HeadlineRow(NamedTuple):
@@ -610,10 +615,9 @@ def headline_rows(outcomes: dict[str, list[dict] | str]) -> list[HeadlineRow]:
         for comparison in result if isinstance(result, list) else []:
             cases = comparison["cases"]
             if ours in cases and other in cases:
-                per_round = [a / b for a, b in zip(cases[other]["seconds"], cases[ours]["seconds"])]
+                per_round = per_round_ratios(cases[other]["seconds"], cases[ours]["seconds"])
                 ours_mb, other_mb, alone = pair_memory(cases[ours], cases[other])
-                rows.append(HeadlineRow(label, comparison["title"],
-                                        per_round_ratio(cases[other]["seconds"], cases[ours]["seconds"]),
+                rows.append(HeadlineRow(label, comparison["title"], statistics.median(per_round),
                                         median_interval(per_round), other_mb / max(ours_mb, 1e-9), alone,
                                         ours_mb, other_mb))
     return rows
