@@ -413,6 +413,11 @@ ZERO3_FLOOR = "fivefold-dp+zero3-regathers"
 BUSY_UTILISATION = 0.8  # below it, other processes held the cores for a fifth of the step or more
 
 
+def rank_sum(counter: dict[str, list[list[float]]], name: str, r: int) -> float:
+    """A per-rank measure of case `name` (CPU seconds, blocked seconds) in round r, summed over ranks."""
+    return sum(per_rank[r] for per_rank in counter[name])
+
+
 def zero_verdict(results: dict, cpu: dict[str, list[list[float]]], facts: dict) -> dict:
     """--zero3-floor: each ZeRO stage against dp, and ZeRO-3 against its floor, as medians over
     rounds of per-round ratios (the cases of a round ran side by side), in wall time and in the
@@ -423,15 +428,12 @@ def zero_verdict(results: dict, cpu: dict[str, list[list[float]]], facts: dict) 
     mostly measures who got a core when. The floor (dp's step, then the bare all-gathers ZeRO-3
     must add) is what ZeRO-3's extra bytes cost with nothing else added.
     """
-    def both(name: str, r: int) -> float:
-        return sum(per_rank[r] for per_rank in cpu[name])
-
     def ratio(name: str, base: str) -> dict[str, float]:
         rounds = range(len(results[base].seconds))
         return {
             "wall": statistics.median(results[name].seconds[r] / results[base].seconds[r] for r in rounds),
-            "cpu": statistics.median(both(name, r) / both(base, r) for r in rounds),
-            "utilisation": statistics.median(both(name, r) / (results[name].seconds[r] * facts["cores"]) for r in rounds),
+            "cpu": statistics.median(rank_sum(cpu, name, r) / rank_sum(cpu, base, r) for r in rounds),
+            "utilisation": statistics.median(rank_sum(cpu, name, r) / (results[name].seconds[r] * facts["cores"]) for r in rounds),
         }
 
     stages = {name: ratio(name, "fivefold-dp") for name in ("fivefold-zero2", "fivefold-zero3", ZERO3_FLOOR)}
@@ -516,9 +518,6 @@ def floor_report(results: dict, cpu: dict[str, list[list[float]]], blocked: dict
     medians of wall / floor and CPU / floor, utilisation (CPU of all ranks / (wall x cores)),
     the peer / fivefold ratio measured, and the verdict line.
     """
-    def rank_sum(counter: dict[str, list[list[float]]], name: str, r: int) -> float:
-        return sum(per_rank[r] for per_rank in counter[name])
-
     ranks = len(cpu["compute"])
     spare_cores = max(0, cores - ranks)  # cores no main thread runs on may idle at any time
 
