@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "instead of its in-place function, alternated with the rest; prints the CPU-time ratio")
     p.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
                    help="after timing, profile ROUNDS alternated train steps of each side and print "
-                        "self CPU seconds and calls per aten op, per step (torch.profiler)")
+                        "self CPU seconds and calls per aten op, per step (torch.profiler); with --compile, "
+                        "each of inductor's fused kernels is named in the profile too")
     return p.parse_args(argv)
 
 
@@ -251,8 +252,19 @@ def setup(preset: str, dtype: str):
     return config, sampler, model, hf
 
 
-def compiled_cases(config: Config, sampler: Sampler, steps: int) -> tuple[dict[str, Callable[[], None]], float]:
-    """fivefold's cases with train.compile=true, and the wall seconds of the first call (compiling)."""
+def compiled_cases(config: Config, sampler: Sampler, steps: int, name_kernels: bool = False
+                   ) -> tuple[dict[str, Callable[[], None]], float]:
+    """fivefold's cases with train.compile=true, and the wall seconds of the first call (compiling).
+
+    `name_kernels`: inductor records each generated kernel as a profiler event of its own
+    (one more event per kernel call, about a hundred per step), so that a profile shows what
+    the fused element-wise work costs, kernel by kernel, instead of lumping it into the call
+    of each compiled graph. The setting stays on for the rest of the process (it is part of
+    inductor's cache key); outside a profile each kernel call only checks that none is active."""
+    if name_kernels:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
     config = config.replace(train=dataclasses.replace(config.train, compile=True))
     cases = fivefold_cases(build(config, Mesh.single(config.layout), torch.device("cpu")), sampler, steps)
     start = time.perf_counter()
@@ -305,7 +317,14 @@ def profile_ops(cases: dict[str, Callable[[], None]], rounds: int) -> dict[str, 
     }
 
 
+# Inductor's generated C++ kernels (with cpp.enable_kernel_profile) are recorded as
+# "graph_<n>_cpp_fused_<ops>_<i>": the element-wise and reduction work a compiled region fuses.
+FUSED_KIND, FUSED_MARK = "inductor fused kernels", "_cpp_fused_"
+
+
 def op_kind(op: str) -> str:
+    if FUSED_MARK in op:
+        return FUSED_KIND
     return next((kind for kind, names in OP_KINDS.items() if op in names), "everything else")
 
 
@@ -329,7 +348,7 @@ def print_op_profile(ops: dict[str, dict[str, tuple[float, float]]], steps: int,
     for op in differ:
         print(row(op))
     print(f"self CPU s per step by kind: {header}")
-    for kind in (*OP_KINDS, "everything else"):
+    for kind in (*OP_KINDS, FUSED_KIND, "everything else"):
         totals = [sum(t for op, (_, t) in case.items() if op_kind(op) == kind) / steps for case in ops.values()]
         print(f"  {kind:22s} " + " | ".join(f"{t:.3f}" for t in totals))
     print("  total                  " + " | ".join(
@@ -460,7 +479,7 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> list[Comparison]:
     }
     compile_s = None
     if args.compile and builds("fivefold+compile train", "fivefold+compile fwd_bwd"):
-        compiled, compile_s = compiled_cases(config, sampler, args.steps)
+        compiled, compile_s = compiled_cases(config, sampler, args.steps, name_kernels=args.profile > 0)
         cases |= {"fivefold+compile train": compiled["train"], "fivefold+compile fwd_bwd": compiled["fwd_bwd"]}
     if args.autograd_swiglu and model is not None:
         cases["fivefold autograd-swiglu fwd_bwd"] = with_autograd_swiglu(ours["fwd_bwd"])
