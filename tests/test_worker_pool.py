@@ -15,13 +15,13 @@ STALL_S = 2.0  # short, so that a hang is reported quickly; real pools use 60 s
 
 
 @pytest.fixture
-def pool():
-    """Two started ranks with a short stall limit (the session's pools keep the default)."""
-    p = WorkerPool(2, timeout_s=120.0)
-    p.run(_rank_1_computes_while_rank_0_waits, 0.0)  # started under the default limits
-    p.stall_s = STALL_S
+def pool(pools):
+    """The session's started two-rank pool, with a short stall limit while the test runs."""
+    p = pools.get(2)
+    p.run(_rank_1_computes_while_rank_0_waits, 0.0)  # (re)started under the default limits
+    default, p.stall_s = p.stall_s, STALL_S
     yield p
-    p.close()
+    p.stall_s = default
 
 
 def _busy(seconds: float) -> None:

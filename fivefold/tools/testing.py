@@ -295,15 +295,26 @@ class _Watch:
         if self.first_failure is not None and now - self.first_failure > PEER_GRACE_S:
             self._fail(now, f"a rank failed and ranks {pending} did not finish within {PEER_GRACE_S:g} s after it",
                        pending)
-        cpu = self._cpu()
-        busy = any(r in self.runnable for r in pending)
-        if busy or cpu is None or self.cpu_mark is None or sum(cpu[r] - self.cpu_mark[r] for r in pending) >= STALL_CPU_S:
-            self.cpu_mark, self.progress_at = cpu, now
+        if self._progressed(pending):
+            self.progress_at = now
         if now - self.progress_at > self.pool.stall_s:
-            self._fail(now, f"hung: ranks {pending} idle (no CPU used, none runnable) for {now - self.progress_at:.0f} s "
+            idle = now - self.progress_at
+            self._fail(now, f"hung: ranks {pending} idle (no CPU used, none runnable) for {idle:.0f} s "
                             f"(stall limit {self.pool.stall_s:g} s)", pending)
         if now - self.start > self.pool.timeout_s:
             self._fail(now, f"still running after the call's limit of {self.pool.timeout_s:g} s", pending)
+
+    def _progressed(self, pending: list[int]) -> bool:
+        """Whether the unfinished ranks used CPU since the last progress, or one is runnable now
+        (then it waits for a core or a disk, not for a peer). Unknown (no /proc): progress."""
+        cpu = self._cpu()
+        if cpu is None or self.cpu_mark is None:
+            return True
+        used = sum(cpu[r] - self.cpu_mark[r] for r in pending)
+        if used >= STALL_CPU_S or any(r in self.runnable for r in pending):
+            self.cpu_mark = cpu
+            return True
+        return False
 
     def _fail(self, now: float, why: str, stack_ranks: list[int]) -> None:
         stacks = self.pool.stacks(stack_ranks) if stack_ranks else {}
@@ -312,7 +323,7 @@ class _Watch:
         cpu = ""
         if self.cpu_at_start is not None and now_cpu is not None:
             used = [f"{b - a:.1f}" for a, b in zip(self.cpu_at_start, now_cpu)]
-            cpu = f"; CPU seconds per rank in the call (a pool's start included): {', '.join(used)}"
+            cpu = f"; CPU seconds per rank in the call (start-up included): {', '.join(used)}"
         failures = {r: v for r, (ok, v) in self.outcomes.items() if not ok}
         finished = sorted(r for r, (ok, _) in self.outcomes.items() if ok)
         lines = [
