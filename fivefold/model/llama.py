@@ -116,9 +116,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or gate.shape != up.shape or gate.dtype != up.dtype:
         return F.silu(gate) * up
-    if gate.is_leaf or up.is_leaf or gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():
+    if gate.is_leaf or up.is_leaf or _one_buffer(gate, up):
         return F.silu(gate) * up
     return _SwiGLUFunction.apply(gate, up)
+
+
+def _one_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are views of one buffer (meta tensors have none: a dry run's never are)."""
+    ptr = a.untyped_storage().data_ptr()
+    return ptr != 0 and ptr == b.untyped_storage().data_ptr()
 
 
 class MLP(nn.Module):
