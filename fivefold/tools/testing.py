@@ -233,7 +233,9 @@ class WorkerPool:
         time.sleep(0.2)  # a dump is written at once by the signal handler; let the last one end
         return {r: Path(self._stack_file(r)).read_text()[sizes[r]:].strip() for r in ranks if written(r)}
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Stop the workers: those waiting for a task exit at once; those still busy are killed
+        after `grace_s` (0 after a hang: they will not come back)."""
         if not self._procs:
             return
         for p, q in zip(self._procs, self._tasks):
@@ -242,7 +244,7 @@ class WorkerPool:
                     q.put(None)
                 except Exception:
                     pass
-        deadline = time.monotonic() + 5.0  # one grace period for all ranks, then kill the rest
+        deadline = time.monotonic() + grace_s  # one grace period for all ranks, then kill the rest
         for p in self._procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.0))
         for p in self._procs:
@@ -319,7 +321,7 @@ class _Watch:
     def _fail(self, now: float, why: str, stack_ranks: list[int]) -> None:
         stacks = self.pool.stacks(stack_ranks) if stack_ranks else {}
         now_cpu = self._cpu()
-        self.pool.close()
+        self.pool.close(grace_s=0.0)  # the unfinished ranks are stuck, dead or failing
         cpu = ""
         if self.cpu_at_start is not None and now_cpu is not None:
             used = [f"{b - a:.1f}" for a, b in zip(self.cpu_at_start, now_cpu)]
