@@ -15,7 +15,11 @@ from fivefold.tools.testing import PoolSet  # noqa: E402
 
 @pytest.fixture(scope="session")
 def pools():
-    """Gloo worker pools of 2, 4 and 8 ranks, started on first use and kept for the session."""
+    """Gloo worker pools of 2, 4 and 8 ranks, started on first use and kept for the session.
+
+    A call that hangs (its ranks idle for 60 s) or keeps running past its cap fails with the
+    ranks' stacks; on a slow machine multiply those limits with FIVEFOLD_TEST_TIMEOUT_SCALE
+    (fivefold/tools/testing.py)."""
     pool_set = PoolSet()
     yield pool_set
     pool_set.close()

@@ -111,11 +111,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of two projections' fresh outputs (see _SwiGLUFunction).
 
     A compiled region takes the plain expression: inductor fuses it, forward and backward,
-    into single kernels of its own.
+    into single kernels of its own. So do inputs the in-place backward would corrupt without
+    autograd noticing: leaves (the caller's own tensors) and two views of one buffer.
     """
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or gate.shape != up.shape or gate.dtype != up.dtype:
         return F.silu(gate) * up
+    if gate.is_leaf or up.is_leaf or _one_buffer(gate, up):
+        return F.silu(gate) * up
     return _SwiGLUFunction.apply(gate, up)
+
+
+def _one_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are views of one buffer (meta tensors have none: a dry run's never are)."""
+    ptr = a.untyped_storage().data_ptr()
+    return ptr != 0 and ptr == b.untyped_storage().data_ptr()
 
 
 class MLP(nn.Module):
