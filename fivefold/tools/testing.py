@@ -268,9 +268,11 @@ class _Watch:
         self.cpu_at_start = self._cpu()
         self.cpu_mark, self.progress_at = self.cpu_at_start, self.start
 
+    def _activity(self) -> list[Activity] | None:
+        return tree_activity([p.pid for p in self.pool._procs])
+
     def _cpu(self) -> list[float] | None:
-        activity = tree_activity([p.pid for p in self.pool._procs])
-        self.runnable = [] if activity is None else [r for r, a in enumerate(activity) if a.runnable]
+        activity = self._activity()
         return None if activity is None else [a.cpu_s for a in activity]
 
     def collect(self) -> dict[int, tuple[bool, Any]]:
@@ -309,11 +311,12 @@ class _Watch:
     def _progressed(self, pending: list[int]) -> bool:
         """Whether the unfinished ranks used CPU since the last progress, or one is runnable now
         (then it waits for a core or a disk, not for a peer). Unknown (no /proc): progress."""
-        cpu = self._cpu()
-        if cpu is None or self.cpu_mark is None:
+        activity = self._activity()
+        if activity is None or self.cpu_mark is None:
             return True
+        cpu = [a.cpu_s for a in activity]
         used = sum(cpu[r] - self.cpu_mark[r] for r in pending)
-        if used >= STALL_CPU_S or any(r in self.runnable for r in pending):
+        if used >= STALL_CPU_S or any(activity[r].runnable for r in pending):
             self.cpu_mark = cpu
             return True
         return False
