@@ -36,15 +36,17 @@ from fivefold.tools.dryrun import PLANNER_AXIS
 MODEL_STATES = ("params", "grads", "optimizer")
 
 
-class RankStep:
+class RankStep(NamedTuple):
     """What one rank measured in one training step."""
 
-    def __init__(self, stage: int, wire: dict[str, int], held: dict[str, int], ep_calls: int,
-                 routing: dict[str, tuple[torch.Tensor, int]]) -> None:
-        self.stage, self.wire, self.held, self.ep_calls, self.routing = stage, wire, held, ep_calls, routing
+    stage: int  # its pipeline stage
+    wire: dict[str, int]  # bytes sent per planner axis
+    held: dict[str, int]  # model-state bytes, padding left out
+    ep_calls: int  # expert-parallel all-to-alls
+    routing: dict[str, tuple[torch.Tensor, int]]  # MoE layer -> (slots sent to each expert, dispatches)
 
 
-def _held_at_most(*measures: dict[str, int]) -> dict[str, int]:
+def _larger_of(*measures: dict[str, int]) -> dict[str, int]:
     return {kind: max(m[kind] for m in measures) for kind in MODEL_STATES}
 
 
@@ -75,7 +77,7 @@ def _train_one_step(ctx, config) -> RankStep:
         if axis in PLANNER_AXIS:
             wire[PLANNER_AXIS[axis]] = wire.get(PLANNER_AXIS[axis], 0) + nbytes
     routing = {name: (d.sent_counts.clone(), d.calls) for name, d in moe_dispatchers(model.chunks).items()}
-    return RankStep(mesh.pp.rank, wire, _held_at_most(after_backward, after_reduction),
+    return RankStep(mesh.pp.rank, wire, _larger_of(after_backward, after_reduction),
                     mesh.stats.calls.get(("ep", "all_to_all"), 0), routing)
 
 
