@@ -9,9 +9,9 @@ the busiest) are checked too. The "world" axis (the global gradient norm) is not
 axis and is left out, as the dry run leaves it out (`fivefold.tools.dryrun.PLANNER_AXIS`).
 
 Held memory is taken at the end of the backward and again after the gradient reduction, and
-each kind is held to the planner at the larger of the two: ZeRO-2/3 keep full gradients until
-the end of the step when gradient finalizers (sums over tp, the tied embedding over the
-pipeline ends) must run first, sharded ones otherwise.
+each kind is held to the planner at the larger of the two, as the dry run does: ZeRO-2/3 keep
+full gradients until the end of the step when gradient finalizers (sums over tp, the tied
+embedding over the pipeline ends) must run first, sharded ones otherwise.
 
 Expert parallelism's all-to-all volume depends on the actual routing, which the planner
 assumes balanced: there the runtime's number of all-to-alls equals the planner's, and its
@@ -31,7 +31,7 @@ from fivefold.layout import validate
 from fivefold.planner.bridge import layout_spec, model_spec
 from fivefold.planner.stages import StagePlan, stage_plans
 from fivefold.precision import PrecisionPolicy
-from fivefold.tools.dryrun import PLANNER_AXIS
+from fivefold.tools.dryrun import bytes_per_planner_axis, held_at_peak
 
 MODEL_STATES = ("params", "grads", "optimizer")
 
@@ -44,10 +44,6 @@ class RankStep(NamedTuple):
     held: dict[str, int]  # model-state bytes, padding left out
     ep_calls: int  # expert-parallel all-to-alls
     routing: dict[str, tuple[torch.Tensor, int]]  # MoE layer -> (slots sent to each expert, dispatches)
-
-
-def _larger_of(*measures: dict[str, int]) -> dict[str, int]:
-    return {kind: max(m[kind] for m in measures) for kind in MODEL_STATES}
 
 
 def _train_one_step(ctx, config) -> RankStep:
@@ -67,17 +63,13 @@ def _train_one_step(ctx, config) -> RankStep:
         model.runner.run(batches)
     else:
         forward_backward(model, batches, torch.device("cpu"))
-    after_backward = held_memory(model.chunks, model.optimizer).without_padding()
+    held = [held_memory(model.chunks, model.optimizer)]  # the end of the backward
     model.optimizer.finish_grad_sync()
-    after_reduction = held_memory(model.chunks, model.optimizer).without_padding()
+    held.append(held_memory(model.chunks, model.optimizer))  # after the reduction
     model.optimizer.clip_grad_norm(config.train.grad_clip)
     model.optimizer.step(1e-3)
-    wire: dict[str, int] = {}
-    for (axis, _op), nbytes in mesh.stats.wire.items():
-        if axis in PLANNER_AXIS:
-            wire[PLANNER_AXIS[axis]] = wire.get(PLANNER_AXIS[axis], 0) + nbytes
     routing = {name: (d.sent_counts.clone(), d.calls) for name, d in moe_dispatchers(model.chunks).items()}
-    return RankStep(mesh.pp.rank, wire, _larger_of(after_backward, after_reduction),
+    return RankStep(mesh.pp.rank, bytes_per_planner_axis(mesh.stats.wire), held_at_peak(held),
                     mesh.stats.calls.get(("ep", "all_to_all"), 0), routing)
 
 
