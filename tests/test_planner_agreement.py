@@ -15,8 +15,9 @@ embedding over the pipeline ends) must run first, sharded ones otherwise.
 
 Expert parallelism's all-to-all volume depends on the actual routing, which the planner
 assumes balanced: there the runtime's number of all-to-alls equals the planner's, and its
-bytes equal the planner's calls applied to the routing it really had. These runs are fp32;
-bf16 with fp32 master weights is checked the same way in test_precision.py.
+bytes equal the planner's calls applied to the routing it really had. These runs are fp32
+but one (bf16 autocast under cp); bf16 data parallelism and ZeRO with fp32 master weights are
+checked the same way in test_precision.py.
 """
 
 from __future__ import annotations
@@ -104,10 +105,6 @@ def _case(preset: str, world: int, **layout) -> Case:
     return Case(preset, world, tuple(f"{k if '.' in k else 'layout.' + k}={v}" for k, v in layout.items()))
 
 
-def _moe(world: int, **layout) -> Case:
-    return _case("tiny-moe", world, **layout)
-
-
 CASES = [
     *(_case("tiny", 2, **lay) for lay in (
         {"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3},
@@ -132,15 +129,20 @@ CASES = [
         {"pp": 2, "dp": 2, "zero": 2, "grad_accum": 2, "model.tied_embeddings": "true"},
         {"pp": 2, "tp": 2, "grad_accum": 2, "model.tied_embeddings": "true"},
     )),
-    *(_moe(2, **lay) for lay in (
+    *(_case("tiny-moe", 2, **lay) for lay in (
         {"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "recompute": "full"}, {"dp": 2, "ep": 2, "recompute": "selective"},
         {"dp": 2, "ep": 2, "grad_accum": 2, "recompute": "full"},
+        # bf16 autocast: attention in bf16, the MoE statistics in fp32
+        {"cp": 2, "cp_algorithm": "ulysses", "model.dropless": "false", "train.dtype": "bf16",
+         "recompute": "selective"},
     )),
-    *(_moe(4, **lay) for lay in (
-        {"dp": 2, "ep": 2, "tp": 2}, {"pp": 2, "tp": 2, "grad_accum": 2},
+    *(_case("tiny-moe", 4, **lay) for lay in (
+        {"dp": 2, "ep": 2, "tp": 2}, {"pp": 2, "tp": 2, "grad_accum": 2},  # no MoE statistics over tp in the step
+        # each MoE layer sums its per-sequence statistics over cp; without dropless, gathers slot counts
         {"dp": 2, "cp": 2, "ep": 2}, {"dp": 2, "cp": 2, "ep": 2, "model.dropless": "false"},
         {"cp": 2, "pp": 2, "grad_accum": 2, "cp_algorithm": "allgather", "model.dropless": "false",
          "recompute": "full"},
+        # router gradients summed over tp: ZeRO-2/3 reduce once per step and hold full gradients
         {"dp": 2, "ep": 2, "tp": 2, "zero": 2, "grad_accum": 2},
         {"dp": 2, "ep": 2, "tp": 2, "zero": 3, "grad_accum": 2},
     )),
