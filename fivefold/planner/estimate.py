@@ -31,11 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import volumes
 from ..config import Config
 from ..layout import validate
 from .activations import activation_bytes_per_layer, activation_dtype_bytes, saved_tensors_embedding, saved_tensors_output
 from .bridge import layout_spec, model_spec
-from .. import volumes
 from .comm import (
     AXES, Collective, cp_layers, cp_moe_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers,
     volumes_by_axis, volumes_by_kind,

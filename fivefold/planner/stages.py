@@ -33,6 +33,6 @@ def stage_plans(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware =
     plans = []
     for stage, n_dense, n_moe in _stage_groups(model, layout):
         memory = _stage_memory(ctx, stage, n_dense, n_moe)
-        time = _stage_time(ctx, stage, n_dense, n_moe, memory)
-        plans.append(StagePlan(memory, dict(time.volumes), tuple(time.colls)))
+        timing = _stage_time(ctx, stage, n_dense, n_moe, memory)
+        plans.append(StagePlan(memory, dict(timing.volumes), tuple(timing.colls)))
     return plans

@@ -14,9 +14,9 @@ builds one rank (or a few) of the layout in this process:
 
 Measured, per rank: parameter, gradient and optimizer bytes by storage (`memory.held_memory`,
 right after the optimizer step, when all three are alive, and at the end of the backward,
-when ZeRO-2/3 may still hold full gradients; the larger of the two), the peak of the bytes saved for
-backward (saved-tensor hooks, each storage counted once while any autograd node holds it),
-and the wire bytes per axis of the step up to and including the optimizer update (what the
+when ZeRO-2/3 may still hold full gradients; the larger of the two), the peak of the bytes
+saved for backward (saved-tensor hooks, each storage counted once while any autograd node
+holds it), and the wire bytes per axis of the step up to and including the optimizer update (what the
 loop then sends to report the loss and MoE statistics is left out, as the planner leaves it). They are printed beside `planner.estimate` for the same layout.
 
 Values that only data decide are assumed, as the planner assumes them: every expert receives
@@ -382,7 +382,7 @@ def run_rank(config: Config, rank: int) -> RankResult:
 
 
 def bytes_per_planner_axis(wire: dict[tuple[str, str], int]) -> dict[str, int]:
-    """comm.py's wire bytes per (axis, op) summed per planner axis; the world axis (loss, gradient norm) left out."""
+    """comm.py's wire bytes per (axis, op), summed per planner axis; the world axis left out."""
     comm: dict[str, int] = {}
     for (axis, _op), nbytes in wire.items():
         if axis in PLANNER_AXIS:
