@@ -160,8 +160,8 @@ def tp_step_calls(hidden: int, head_dim: int, kv_heads: int, tp: int, num_expert
 
     Gradients partial over tp are summed in one all-reduce: norm weights under sequence
     parallelism (each rank saw its tokens), MoE routers (each rank saw its expert slice);
-    key/value heads shared by tp/kv ranks in one (kv, n) buffer. These sums are gradient
-    finalizers (see `dp_step_calls`): a rank with any of them runs finalizers.
+    key/value heads shared by tp/kv ranks in one (kv, n) buffer. They run as gradient
+    finalizers, which decide when ZeRO reduces (`grads_sharded_in_backward`).
     """
     if tp == 1 or layers == 0:
         return []
@@ -213,8 +213,9 @@ def cp_layer_calls(algorithm: str, cp: int, batch: int, local_len: int, heads: i
     ulysses: one all-to-all of q, k and v together and one of the output forward, of their
     gradients backward.
     Everything the forward sends happens inside the attention core, so it repeats in each of
-    its `core_forward_passes`, but for Ulysses' output all-to-all, which repeats only with the
-    whole layer (`forward_passes`): no tensor saved for backward inside the core needs it.
+    its `core_forward_passes`, except Ulysses' output all-to-all, which repeats only with the
+    whole layer (`forward_passes`): torch's checkpoint stops recomputing the core before it,
+    since no tensor the core saves for backward needs its output.
     """
     if cp == 1:
         return []
@@ -230,8 +231,9 @@ def cp_layer_calls(algorithm: str, cp: int, batch: int, local_len: int, heads: i
                 Call("send", kv, 2 * cp, "bwd", "dK, dV accumulators, home after cp hops")]
     if algorithm == "ulysses":
         q, kv_sent = heads * token, ulysses_kv_heads(cp, kv_heads) * token
-        return [Call("all_to_all", q + 2 * kv_sent, core, "fwd", "q, k, v"), Call("all_to_all", q, layer, "fwd", "out"),
-                Call("all_to_all", q, 1, "bwd", "d_out"), Call("all_to_all", q + 2 * kv_sent, 1, "bwd", "dq, dk, dv")]
+        qkv = q + 2 * kv_sent
+        return [Call("all_to_all", qkv, core, "fwd", "q, k, v"), Call("all_to_all", q, layer, "fwd", "out"),
+                Call("all_to_all", q, 1, "bwd", "d_out"), Call("all_to_all", qkv, 1, "bwd", "dq, dk, dv")]
     raise ValueError(f"unknown cp algorithm {algorithm!r}")
 
 
