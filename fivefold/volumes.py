@@ -96,6 +96,20 @@ def ulysses_kv_heads(cp: int, kv_heads: int) -> int:
     return cp if kv_heads % cp else kv_heads
 
 
+# ----------------------------------------------------------------------------- recomputation
+
+
+def forward_passes(recompute: str) -> int:
+    """Forward passes of a layer per micro-batch: full recomputation runs it again in backward."""
+    return 2 if recompute == "full" else 1
+
+
+def core_forward_passes(recompute: str) -> int:
+    """Forward passes of the attention core per micro-batch: selective recomputation runs the
+    core alone again in backward, full recomputation the whole layer."""
+    return 1 if recompute == "none" else 2
+
+
 # ----------------------------------------------------------------------------- tensor parallel
 
 
@@ -146,8 +160,8 @@ def tp_step_calls(hidden: int, head_dim: int, kv_heads: int, tp: int, num_expert
 
     Gradients partial over tp are summed in one all-reduce: norm weights under sequence
     parallelism (each rank saw its tokens), MoE routers (each rank saw its expert slice);
-    key/value heads shared by tp/kv ranks in one (kv, n) buffer. The training loop also
-    all-reduces its MoE statistics, E + 1 float64 values per MoE layer.
+    key/value heads shared by tp/kv ranks in one (kv, n) buffer. They run as gradient
+    finalizers, which decide when ZeRO reduces (`grads_sharded_in_backward`).
     """
     if tp == 1 or layers == 0:
         return []
@@ -157,12 +171,18 @@ def tp_step_calls(hidden: int, head_dim: int, kv_heads: int, tp: int, num_expert
     if kv_heads % tp:
         out.append(Call("all_reduce", kv_heads * 2 * layers * head_dim * hidden * grad_bytes, 1, "step",
                         "shared kv heads"))
-    out += [Call("all_reduce", (num_experts + 1) * 8, moe_layers, "step", "MoE statistics")] if moe_layers else []
     return out
 
 
+def moe_statistics_calls(num_experts: int, moe_layers: int) -> list[Call]:
+    """Reporting after the optimizer update, not part of the training step: the training loop
+    all-reduces each MoE layer's load statistics (E + 1 float64 values) over tp (and dp x cp)."""
+    return [Call("all_reduce", (num_experts + 1) * 8, moe_layers, "step", "MoE statistics")] if moe_layers else []
+
+
 def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
-    """Bytes one rank sends on the tp axis in one training step, by collective (fp32, pp = cp = 1)."""
+    """Bytes one rank sends on the tp axis in one iteration of the training loop, by collective
+    (fp32, pp = cp = 1): the step and the MoE statistics reported after it."""
     model, layout, train = config.model, config.layout, config.train
     n, fp32 = layout.tp, 4
     if n == 1:
@@ -175,6 +195,7 @@ def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
     calls = [c._replace(calls=c.calls * layout.grad_accum) for c in per_mb]
     calls += tp_step_calls(model.hidden, model.head_dim, model.n_kv_heads, n, model.num_experts, model.layers,
                            moe_layers, sp, True, fp32)
+    calls += moe_statistics_calls(model.num_experts, moe_layers)
     return total_wire_bytes(calls, n)
 
 
@@ -182,31 +203,61 @@ def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
 
 
 def cp_layer_calls(algorithm: str, cp: int, batch: int, local_len: int, heads: int, kv_heads: int,
-                   head_dim: int, elem_bytes: int, forward_passes: int = 1) -> list[Call]:
+                   head_dim: int, elem_bytes: int, recompute: str = "none") -> list[Call]:
     """One attention layer, one micro-batch, on a cp rank holding ``heads``/``kv_heads`` heads
     (after tensor parallelism) of ``local_len`` tokens of ``batch`` sequences.
 
     allgather: all-gather K and V forward, reduce-scatter dK and dV backward;
     ring: cp - 1 hops of the K and of the V block forward, cp - 1 again backward (circulated
     rather than stored) and cp hops of the dK, dV accumulators (they end at their owner);
-    ulysses: all-to-alls of q, k, v and the output forward, of their gradients backward.
+    ulysses: one all-to-all of q, k and v together and one of the output forward, of their
+    gradients backward.
+    Everything the forward sends happens inside the attention core, so it repeats in each of
+    its `core_forward_passes`, except Ulysses' output all-to-all, which repeats only with the
+    whole layer (`forward_passes`): torch's checkpoint stops recomputing the core before it,
+    since no tensor the core saves for backward needs its output.
     """
     if cp == 1:
         return []
     token = batch * local_len * head_dim * elem_bytes  # one head of this rank's tokens
     kv = kv_heads * token
-    f = forward_passes
+    core, layer = core_forward_passes(recompute), forward_passes(recompute)
     if algorithm == "allgather":
-        return [Call("all_gather", kv * cp, 2 * f, "fwd", "K, V"), Call("reduce_scatter", kv * cp, 2, "bwd", "dK, dV")]
+        return [Call("all_gather", kv * cp, 2 * core, "fwd", "K, V"),
+                Call("reduce_scatter", kv * cp, 2, "bwd", "dK, dV")]
     if algorithm == "ring":
-        return [Call("send", kv, 2 * (cp - 1) * f, "fwd", "K, V blocks"),
+        return [Call("send", kv, 2 * (cp - 1) * core, "fwd", "K, V blocks"),
                 Call("send", kv, 2 * (cp - 1), "bwd", "K, V blocks again"),
                 Call("send", kv, 2 * cp, "bwd", "dK, dV accumulators, home after cp hops")]
     if algorithm == "ulysses":
         q, kv_sent = heads * token, ulysses_kv_heads(cp, kv_heads) * token
-        return [Call("all_to_all", q, 2 * f, "fwd", "q, out"), Call("all_to_all", kv_sent, 2 * f, "fwd", "k, v"),
-                Call("all_to_all", q, 2, "bwd", "d_out, dq"), Call("all_to_all", kv_sent, 2, "bwd", "dk, dv")]
+        qkv = q + 2 * kv_sent
+        return [Call("all_to_all", qkv, core, "fwd", "q, k, v"), Call("all_to_all", q, layer, "fwd", "out"),
+                Call("all_to_all", q, 1, "bwd", "d_out"), Call("all_to_all", qkv, 1, "bwd", "dq, dk, dv")]
     raise ValueError(f"unknown cp algorithm {algorithm!r}")
+
+
+def cp_moe_layer_calls(cp: int, segments: int, batch: int, num_experts: int, top_k: int, dropless: bool,
+                       recompute: str = "none") -> list[Call]:
+    """One MoE layer, one micro-batch, on a cp rank of ``batch`` sequences cut into
+    ``segments`` segments over the cp ranks (`fivefold.layout.sequence_segments`).
+
+    The auxiliary loss's per-sequence statistics, (batch, 2E + 2) fp32 values, and the
+    tokens per sequence (one fp32 value) are summed over the ranks holding the sequence;
+    without dropless routing each rank also gathers every segment's slot counts per
+    sequence, choice rank and expert (int64) to give the slots their capacity priority.
+    Each forward pass of the layer does all of it (the loss after the combine saves tensors,
+    so recomputation runs through it); the backward sends nothing (the statistics' gradient
+    is the identity, the counts have none).
+    """
+    if cp == 1:
+        return []
+    f = forward_passes(recompute)
+    out = [Call("all_reduce", 4, f, "fwd", "MoE tokens per sequence"),
+           Call("all_reduce", batch * (2 * num_experts + 2) * 4, f, "fwd", "MoE per-sequence statistics")]
+    if not dropless:
+        out.append(Call("all_gather", segments * batch * top_k * num_experts * 8, f, "fwd", "MoE slot counts"))
+    return out
 
 
 def analytic_cp_bytes(algorithm: str, cp: int, batch: int, local_len: int, heads: int, kv_heads: int,
@@ -230,12 +281,6 @@ def ep_layer_calls(routed_bytes: int, num_experts: int, forward_passes: int = 1,
     return [Call("all_to_all", num_experts * count_bytes, forward_passes, "fwd", "slots per expert"),
             Call("all_to_all", routed_bytes, 2 * forward_passes, "fwd", "dispatch + combine"),
             Call("all_to_all", routed_bytes, 2, "bwd", "dispatch + combine grads")]
-
-
-def forward_passes(recompute: str) -> int:
-    """Forward passes of a layer per micro-batch: full recomputation runs it again in backward
-    (selective recomputation repeats only the attention core, which has no collective)."""
-    return 2 if recompute == "full" else 1
 
 
 def all_to_all_wire_bytes(sent: torch.Tensor, rank: int, hidden: int, element_bytes: int, calls: int,
@@ -270,8 +315,17 @@ def pp_calls(act_bytes: int, forward_sends: int, backward_sends: int) -> list[Ca
 # ----------------------------------------------------------------------------- data parallel
 
 
+def grads_sharded_in_backward(zero: int, finalizers: bool) -> bool:
+    """Whether ZeRO reduce-scatters each backward's gradients as they complete and keeps only
+    their shard (stages 2-3). Not when gradient finalizers run (sums of partial gradients over
+    tp, `tp_step_calls`; the tied embedding's sum over the pipeline ends): they need the full
+    local gradients, so the reduction waits for them at the end of the step, runs once, and
+    the rank holds full gradients until then (parallel/zero.py)."""
+    return zero >= 2 and not finalizers
+
+
 def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batches: int,
-                  gathers_per_micro_batch: int = 2, kept_bytes: float = 0.0) -> list[Call]:
+                  gathers_per_micro_batch: int = 2, kept_bytes: float = 0.0, finalizers: bool = False) -> list[Call]:
     """Data-parallel (ZeRO) collectives of one step for a rank's gradients / parameters.
 
     ZeRO-0: one all-reduce of the gradients per step. ZeRO-1: reduce-scatter of the gradients
@@ -281,10 +335,11 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
     recomputation), a gradient reduce-scatter per micro-batch. `kept_bytes` of the parameters
     stay gathered from the forward to the backward (zero.py keeps the chunk's root, i.e.
     embedding, final norm and head, and its last block): the later gathers leave them out.
+    With gradient ``finalizers`` ZeRO-2/3 reduce once per step (`grads_sharded_in_backward`).
     """
     if zero == 0:
         return [Call("all_reduce", grad_bytes, 1, "bwd", "grads")]
-    reduce_scatters = 1 if zero == 1 else micro_batches
+    reduce_scatters = micro_batches if grads_sharded_in_backward(zero, finalizers) else 1
     if zero in (1, 2):
         return [Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads"),
                 Call("all_gather", param_bytes, 1, "step", "updated params")]

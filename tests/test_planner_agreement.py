@@ -1,39 +1,59 @@
-"""The planner agrees with the runtime: model-state bytes within 1%, communication bytes exactly.
+"""The planner agrees with the runtime on every rank: model-state bytes within 1%, communication bytes exactly.
 
-Each layout trains one step of the tiny model on the worker pool; the runtime's held memory
-(by tensor storage, after the gradients are reduced) and its per-axis wire bytes (counted by
-comm.py) are compared with `fivefold.planner.estimate` for the same layout. The "world"
-axis (loss reporting, the global gradient norm) is not a parallel axis and is left out.
+Each layout trains one step of a tiny preset on the worker pool. Every rank's per-axis wire
+bytes (counted by comm.py, up to the optimizer update: the loss and MoE statistics the
+training loop reports afterwards are not part of the step) and its held model states are
+compared with the planner's plan for that rank's own pipeline stage
+(`fivefold.planner.stages.stage_plans`), so the stages `estimate` does not report (it names
+the busiest) are checked too. The "world" axis (the global gradient norm) is not a parallel
+axis and is left out, as the dry run leaves it out (`fivefold.tools.dryrun.PLANNER_AXIS`).
+
+Held memory is taken at the end of the backward and again after the gradient reduction, and
+each kind is held to the planner at the larger of the two, as the dry run does: ZeRO-2/3 keep
+full gradients until the end of the step when gradient finalizers (sums over tp, the tied
+embedding over the pipeline ends) must run first, sharded ones otherwise.
+
 Expert parallelism's all-to-all volume depends on the actual routing, which the planner
 assumes balanced: there the runtime's number of all-to-alls equals the planner's, and its
-bytes equal the planner's calls applied to the routing it really had. Full recomputation is
-covered for ZeRO-3 (no extra gather), tp (the recomputed pass stops before the MLP exit), cp,
-pp and ep (the combine is recomputed: the expert weighting after it saves its output).
-These runs are fp32; bf16 with
-fp32 master weights is checked the same way in test_precision.py.
+bytes equal the planner's calls applied to the routing it really had. These runs are fp32
+but one (bf16 autocast under cp); bf16 data parallelism and ZeRO with fp32 master weights are
+checked the same way in test_precision.py.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from fivefold.config import load_config
 from fivefold.layout import validate
-from fivefold.planner import LayoutSpec, estimate
-from fivefold.planner.auto import model_spec
+from fivefold.planner.bridge import layout_spec, model_spec
+from fivefold.planner.stages import StagePlan, stage_plans
 from fivefold.precision import PrecisionPolicy
+from fivefold.tools.dryrun import bytes_per_planner_axis, held_at_peak
 
-AXIS_NAMES = {"dp_cp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "edp": "dp"}
+MODEL_STATES = ("params", "grads", "optimizer")
 
 
-def _train_one_step(ctx, config):
-    """One step of `config` on this rank: (model, mesh, held memory after the reduction)."""
+class RankStep(NamedTuple):
+    """What one rank measured in one training step."""
+
+    stage: int  # its pipeline stage
+    wire: dict[str, int]  # bytes sent per planner axis
+    held: dict[str, int]  # model-state bytes, padding left out
+    ep_calls: int  # expert-parallel all-to-alls
+    routing: dict[str, tuple[torch.Tensor, int]]  # MoE layer -> (slots sent to each expert, dispatches)
+
+
+def _train_one_step(ctx, config) -> RankStep:
+    """One step of `config` on this rank, measured (see the module docstring)."""
     from fivefold.data import Sampler, load_tokenizer, load_tokens
     from fivefold.held_memory import held_memory
+    from fivefold.parallel.expert_parallel import moe_dispatchers
     from fivefold.train import build, forward_backward, local_micro_batches
 
-    config = validate(config, ctx.world_size)
     mesh = ctx.mesh(config.layout)
     data = load_tokens(config.data, load_tokenizer("bytes"))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
@@ -44,39 +64,49 @@ def _train_one_step(ctx, config):
         model.runner.run(batches)
     else:
         forward_backward(model, batches, torch.device("cpu"))
+    held = [held_memory(model.chunks, model.optimizer)]  # the end of the backward
     model.optimizer.finish_grad_sync()
-    held = held_memory(model.chunks, model.optimizer)
+    held.append(held_memory(model.chunks, model.optimizer))  # after the reduction
     model.optimizer.clip_grad_norm(config.train.grad_clip)
     model.optimizer.step(1e-3)
-    return model, mesh, held
+    routing = {name: (d.sent_counts.clone(), d.calls) for name, d in moe_dispatchers(model.chunks).items()}
+    return RankStep(mesh.pp.rank, bytes_per_planner_axis(mesh.stats.wire), held_at_peak(held),
+                    mesh.stats.calls.get(("ep", "all_to_all"), 0), routing)
 
 
-def _wire_by_planner_axis(mesh) -> dict[str, int]:
-    wire: dict[str, int] = {}
-    for (axis, _op), nbytes in mesh.stats.wire.items():
-        if axis != "world":
-            wire[AXIS_NAMES[axis]] = wire.get(AXIS_NAMES[axis], 0) + nbytes
-    return wire
-
-
-def _measure_one_step(ctx, config):
-    _, mesh, held = _train_one_step(ctx, config)
-    return _wire_by_planner_axis(mesh), held.without_padding()
-
-
-def _planner(config):
-    layout = config.layout
-    spec = LayoutSpec(
-        dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero, vpp=layout.vpp,
-        micro_batch=layout.micro_batch, global_batch=config.train.global_batch, schedule=layout.pp_schedule,
-        sequence_parallel=layout.sequence_parallel, cp_kind=layout.cp_algorithm, recompute=layout.recompute,
-    )
+def _stage_plans(config) -> list[StagePlan]:
     precision = PrecisionPolicy.from_train(config.train).name
-    return estimate(model_spec(config.model, config.train.seq_len), spec, hardware="cpu", precision=precision)
+    return stage_plans(model_spec(config.model, config.train.seq_len),
+                       layout_spec(config.layout, config.train.global_batch), hardware="cpu", precision=precision)
 
 
-LAYOUTS = {
-    2: [
+def _routed_ep_bytes(config, per_rank: list[RankStep], rank: int) -> int:
+    """`rank`'s ep all-to-all bytes from the routing its ep group really had, with the
+    planner's forward passes per micro-batch."""
+    from fivefold.layout import group_ranks
+    from fivefold.volumes import all_to_all_wire_bytes, forward_passes
+
+    (group,) = [g for g in group_ranks(config.layout, "ep") if rank in g]
+    total = 0
+    for layer, (_, dispatches) in per_rank[rank].routing.items():
+        sent = torch.stack([per_rank[r].routing[layer][0] for r in group])  # (ep, E)
+        total += all_to_all_wire_bytes(sent, group.index(rank), config.model.hidden, 4, dispatches,
+                                       forward_passes=forward_passes(config.layout.recompute))
+    return total
+
+
+class Case(NamedTuple):
+    preset: str
+    world: int
+    overrides: tuple[str, ...]
+
+
+def _case(preset: str, world: int, **layout) -> Case:
+    return Case(preset, world, tuple(f"{k if '.' in k else 'layout.' + k}={v}" for k, v in layout.items()))
+
+
+CASES = [
+    *(_case("tiny", 2, **lay) for lay in (
         {"dp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 2}, {"dp": 2, "zero": 3},
         {"dp": 2, "zero": 1, "grad_accum": 2}, {"dp": 2, "grad_accum": 2}, {"dp": 2, "zero": 2, "grad_accum": 2},
         {"dp": 2, "zero": 3, "grad_accum": 2}, {"tp": 2}, {"tp": 2, "sequence_parallel": True},
@@ -85,79 +115,62 @@ LAYOUTS = {
         {"dp": 2, "zero": 3, "recompute": "selective"}, {"tp": 2, "sequence_parallel": True, "recompute": "full"},
         {"tp": 2, "recompute": "full"}, {"cp": 2, "cp_algorithm": "ring", "recompute": "full"},
         {"pp": 2, "grad_accum": 2, "recompute": "full"},
-    ],
-    4: [{"dp": 2, "tp": 2, "zero": 2}, {"tp": 2, "cp": 2, "cp_algorithm": "ring", "sequence_parallel": True},
-        {"tp": 4}],  # tiny has 2 kv heads: tp=4 repeats each on 2 ranks
-}
-
-
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_planner_matches_runtime_memory_and_communication(pools, world):
-    configs = [validate(load_config("tiny", [f"layout.{k}={v}" for k, v in lay.items()])) for lay in LAYOUTS[world]]
-    measured = pools.run(world, _measure_batch, configs)[0]
-    for config, (wire, held) in zip(configs, measured):
-        predicted = _planner(config)
-        label = str({k: v for k, v in config.layout.__dict__.items() if v not in (0, 1, False, (), "none")})
-        for kind in ("params", "grads", "optimizer"):
-            expected = getattr(predicted.memory, kind)
-            assert abs(held[kind] - expected) <= 0.01 * expected, (label, kind, held[kind], expected)
-        planned = {axis: int(v) for axis, v in predicted.comm_bytes.items() if v}
-        assert wire == planned, (label, wire, planned)
-
-
-def _measure_batch(ctx, configs):
-    return [_measure_one_step(ctx, config) for config in configs]
-
-
-# Expert parallelism with each recomputation mode. The all-to-alls follow the routing, which
-# the planner assumes balanced, so the runtime is held exactly to the planner's calls (their
-# number) and to the same calls over the routing it really had (their bytes).
-EP_LAYOUTS = [
-    {"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "recompute": "full"}, {"dp": 2, "ep": 2, "recompute": "selective"},
-    {"dp": 2, "ep": 2, "grad_accum": 2, "recompute": "full"},
+        # selective recomputation repeats the attention core's cp collectives
+        {"cp": 2, "cp_algorithm": "ring", "recompute": "selective"},
+        {"cp": 2, "cp_algorithm": "allgather", "recompute": "selective"},
+        {"cp": 2, "cp_algorithm": "ulysses", "recompute": "selective"},
+        {"cp": 2, "cp_algorithm": "ulysses", "recompute": "full"},
+    )),
+    *(_case("tiny", 4, **lay) for lay in (
+        {"dp": 2, "tp": 2, "zero": 2}, {"tp": 2, "cp": 2, "cp_algorithm": "ring", "sequence_parallel": True},
+        {"tp": 4},  # tiny has 2 kv heads: tp=4 repeats each on 2 ranks
+        # finalizers (SP norms; the tied embedding over the pipeline ends) defer ZeRO-2/3's reduction
+        {"dp": 2, "tp": 2, "zero": 2, "sequence_parallel": True, "grad_accum": 2},
+        {"pp": 2, "dp": 2, "zero": 2, "grad_accum": 2, "model.tied_embeddings": "true"},
+        {"pp": 2, "tp": 2, "grad_accum": 2, "model.tied_embeddings": "true"},
+    )),
+    *(_case("tiny-moe", 2, **lay) for lay in (
+        {"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "recompute": "full"}, {"dp": 2, "ep": 2, "recompute": "selective"},
+        {"dp": 2, "ep": 2, "grad_accum": 2, "recompute": "full"},
+        # bf16 autocast: attention in bf16, the MoE statistics in fp32
+        {"cp": 2, "cp_algorithm": "ulysses", "model.dropless": "false", "train.dtype": "bf16",
+         "recompute": "selective"},
+    )),
+    *(_case("tiny-moe", 4, **lay) for lay in (
+        {"dp": 2, "ep": 2, "tp": 2}, {"pp": 2, "tp": 2, "grad_accum": 2},  # no MoE statistics over tp in the step
+        # each MoE layer sums its per-sequence statistics over cp; without dropless, gathers slot counts
+        {"dp": 2, "cp": 2, "ep": 2}, {"dp": 2, "cp": 2, "ep": 2, "model.dropless": "false"},
+        {"cp": 2, "pp": 2, "grad_accum": 2, "cp_algorithm": "allgather", "model.dropless": "false",
+         "recompute": "full"},
+        # router gradients summed over tp: ZeRO-2/3 reduce once per step and hold full gradients
+        {"dp": 2, "ep": 2, "tp": 2, "zero": 2, "grad_accum": 2},
+        {"dp": 2, "ep": 2, "tp": 2, "zero": 3, "grad_accum": 2},
+    )),
 ]
 
 
-def _measure_ep_batch(ctx, configs):
-    from fivefold.parallel.expert_parallel import moe_dispatchers
-
-    out = []
-    for config in configs:
-        model, mesh, held = _train_one_step(ctx, config)
-        routing = {name: (d.sent_counts.clone(), d.calls) for name, d in moe_dispatchers(model.chunks).items()}
-        calls = mesh.stats.calls.get(("ep", "all_to_all"), 0)
-        out.append((_wire_by_planner_axis(mesh), held.without_padding(), calls, routing))
-    return out
+def _case_id(case: Case) -> str:
+    return f"{case.preset}-" + ",".join(o.removeprefix("layout.") for o in case.overrides)
 
 
-def _routed_ep_bytes(config, per_rank: list, rank: int) -> int:
-    """`rank`'s ep all-to-all bytes from the routing its ep group really had, with the
-    planner's forward passes per micro-batch."""
-    from fivefold.layout import group_ranks
-    from fivefold.volumes import all_to_all_wire_bytes, forward_passes
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_every_rank_matches_the_plan_of_its_stage(pools, case):
+    config = validate(load_config(case.preset, list(case.overrides)), case.world)
+    per_rank = pools.run(case.world, _train_one_step, config)
+    plans = _stage_plans(config)
+    assert {r.stage for r in per_rank} == set(range(len(plans)))
+    for rank, measured in enumerate(per_rank):
+        plan = plans[measured.stage]
+        where = (_case_id(case), "rank", rank, "stage", measured.stage)
+        planned = {axis: int(v) for axis, v in plan.comm_bytes.items() if v}
+        wire = dict(measured.wire)
+        if config.layout.ep > 1:
+            planned_calls = sum(c.calls for c in plan.collectives if c.axis == "ep")
+            assert measured.ep_calls == planned_calls, (*where, measured.ep_calls, planned_calls)
+            assert wire.pop("ep", 0) == _routed_ep_bytes(config, per_rank, rank), where
+            planned.pop("ep", None)
+        assert wire == planned, (*where, wire, planned)
+        for kind in MODEL_STATES:
+            expected = getattr(plan.memory, kind)
+            assert abs(measured.held[kind] - expected) <= 0.01 * expected, (*where, kind, measured.held[kind], expected)
 
-    (group,) = [g for g in group_ranks(config.layout, "ep") if rank in g]
-    total = 0
-    for layer, (_, dispatches) in per_rank[rank][3].items():
-        sent = torch.stack([per_rank[r][3][layer][0] for r in group])  # (ep, E)
-        total += all_to_all_wire_bytes(sent, group.index(rank), config.model.hidden, 4, dispatches,
-                                       forward_passes=forward_passes(config.layout.recompute))
-    return total
-
-
-def test_planner_matches_runtime_under_expert_parallel_with_every_recomputation(pools):
-    configs = [validate(load_config("tiny-moe", [f"layout.{k}={v}" for k, v in lay.items()])) for lay in EP_LAYOUTS]
-    measured = pools.run(2, _measure_ep_batch, configs)
-    for i, config in enumerate(configs):
-        per_rank = [rank_results[i] for rank_results in measured]
-        predicted = _planner(config)
-        label = str({k: v for k, v in config.layout.__dict__.items() if v not in (0, 1, False, (), "none")})
-        planned_calls = sum(c.calls for c in predicted.collectives if c.axis == "ep")
-        planned = {axis: int(v) for axis, v in predicted.comm_bytes.items() if v and axis != "ep"}
-        for rank, (wire, held, calls, _) in enumerate(per_rank):
-            assert calls == planned_calls, (label, rank, calls, planned_calls)
-            assert wire.pop("ep") == _routed_ep_bytes(config, per_rank, rank), (label, rank)
-            assert wire == planned, (label, rank, wire, planned)
-            for kind in ("params", "grads", "optimizer"):
-                expected = getattr(predicted.memory, kind)
-                assert abs(held[kind] - expected) <= 0.01 * expected, (label, kind, held[kind], expected)

@@ -25,7 +25,7 @@ def model_config(m: ModelSpec) -> ModelConfig:
         kv_heads=m.n_kv_heads, ffn_hidden=m.ffn, max_seq_len=m.seq_len, tied_embeddings=is_tied(m),
         num_experts=m.num_experts, top_k=m.top_k if moe else ModelConfig.top_k, moe_every=m.moe_every,
         first_dense_layers=m.first_dense_layers, expert_ffn_hidden=m.expert_ffn if moe else 0,
-        shared_experts=m.shared_experts if moe else 0,
+        shared_experts=m.shared_experts if moe else 0, dropless=m.dropless,
     )
 
 
@@ -36,7 +36,7 @@ def model_spec(model: ModelConfig, seq_len: int) -> ModelSpec:
         ffn_hidden=model.ffn, kv_heads=model.n_kv_heads, arch="llama", num_experts=model.num_experts,
         top_k=model.top_k if model.is_moe else 1, expert_ffn_hidden=model.expert_ffn if model.is_moe else None,
         moe_every=model.moe_every, shared_experts=model.shared_experts, tied_embeddings=model.tied_embeddings,
-        first_dense_layers=model.first_dense_layers, name=model.name,
+        first_dense_layers=model.first_dense_layers, dropless=model.dropless, name=model.name,
     )
 
 

@@ -14,7 +14,8 @@ head repeated when t > kv (`fivefold.volumes.local_kv_heads`). Per axis:
 
 * tp, per layer and micro-batch: `volumes.tp_layer_calls`; embedding, head and loss:
   `volumes.tp_end_calls`; once per step, gradients partial over tp: `volumes.tp_step_calls`.
-* cp, per layer and micro-batch: `volumes.cp_layer_calls` (all-gather, ring or Ulysses).
+* cp, per layer and micro-batch: `volumes.cp_layer_calls` (all-gather, ring or Ulysses);
+  per MoE layer and micro-batch, the routing statistics: `volumes.cp_moe_layer_calls`.
 * ep, per MoE layer and micro-batch: `volumes.ep_layer_calls` for the b (s/c) k routed
   token copies of h elements each, balanced routing assumed, and the slots per expert.
 * pp, per micro-batch and model chunk: a send of the chunk's output activation (X, divided
@@ -25,8 +26,10 @@ head repeated when t > kv (`fivefold.volumes.local_kv_heads`). Per axis:
   policy's reduction dtype) and parameters (in their own dtype; `fivefold.precision`).
 
 Full recomputation repeats each forward collective inside the recomputed layers (tp, cp,
-ep). It adds no ZeRO-3 parameter gather: a block recomputes inside its own backward, after
-the gather that backward already made.
+ep); selective recomputation repeats those of the attention core (cp). It adds no ZeRO-3
+parameter gather: a block recomputes inside its own backward, after the gather that backward
+already made. ZeRO-2/3 reduce once per step instead of per micro-batch on ranks that run
+gradient finalizers (`volumes.grads_sharded_in_backward`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .. import volumes
+from ..layout import sequence_segments
 from ..volumes import Call, local_kv_heads, ring_factor, ring_steps
 from .hardware import Hardware
 from .spec import LayoutSpec, ModelSpec
@@ -115,8 +119,18 @@ def cp_layers(m: ModelSpec, lay: LayoutSpec, ab: int, layer_mbs: float) -> list[
     if cp == 1 or layer_mbs == 0:
         return []
     calls = volumes.cp_layer_calls(lay.cp_kind, cp, lay.micro_batch, m.seq_len // cp, m.heads // lay.tp,
-                                   local_kv_heads(m.n_kv_heads, lay.tp), m.head_dim, ab, _forward_passes(lay))
+                                   local_kv_heads(m.n_kv_heads, lay.tp), m.head_dim, ab, lay.recompute)
     return _collectives("cp", calls, cp, lay.tp * cp, layer_mbs)
+
+
+def cp_moe_layers(m: ModelSpec, lay: LayoutSpec, moe_layer_mbs: float) -> list[Collective]:
+    """Context-parallel sums of ``moe_layer_mbs`` MoE layer passes' routing statistics."""
+    cp = lay.cp
+    if cp == 1 or moe_layer_mbs == 0:
+        return []
+    calls = volumes.cp_moe_layer_calls(cp, sequence_segments(lay.cp_kind, cp), lay.micro_batch, m.num_experts,
+                                       m.top_k, m.dropless, lay.recompute)
+    return _collectives("cp", calls, cp, lay.tp * cp, moe_layer_mbs)
 
 
 def ep_layers(m: ModelSpec, lay: LayoutSpec, ab: int, moe_layer_mbs: float) -> list[Collective]:
@@ -144,12 +158,14 @@ def pp_sends(m: ModelSpec, lay: LayoutSpec, ab: int, stage: int, tied_vocab_byte
 
 
 def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: float,
-             ranks_dense: int, ranks_expert: int, kept: tuple[float, float] = (0.0, 0.0)) -> list[Collective]:
+             ranks_dense: int, ranks_expert: int, kept: tuple[float, float] = (0.0, 0.0),
+             finalizers: bool = False) -> list[Collective]:
     """Data-parallel (ZeRO) collectives for ``dense`` and ``expert`` parameters held here.
 
     ``param_b``: bytes per parameter gathered (ZeRO-1/2/3); ``grad_b``: per gradient element
     reduced (the precision policy's reduction dtype); ``kept``: the (non-expert, expert)
-    parameters ZeRO-3 keeps gathered from the forward to the backward.
+    parameters ZeRO-3 keeps gathered from the forward to the backward; ``finalizers``: the
+    rank runs gradient finalizers (`fivefold.volumes.grads_sharded_in_backward`).
     """
     out: list[Collective] = []
     span = lay.tp * lay.cp * lay.dp
@@ -159,7 +175,7 @@ def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: f
         if n <= 1 or psi == 0:
             continue
         calls = volumes.dp_step_calls(lay.zero, psi * grad_b, psi * param_b, lay.num_micro_batches, gathers,
-                                      psi_kept * param_b)
+                                      psi_kept * param_b, finalizers)
         out += [c._replace(what=f"{what} {c.what}") for c in _collectives("dp", calls, n, span)]
     return out
 

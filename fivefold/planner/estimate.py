@@ -31,13 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import volumes
 from ..config import Config
 from ..layout import validate
 from .activations import activation_bytes_per_layer, activation_dtype_bytes, saved_tensors_embedding, saved_tensors_output
 from .bridge import layout_spec, model_spec
 from .comm import (
-    AXES, Collective, cp_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers, volumes_by_axis,
-    volumes_by_kind,
+    AXES, Collective, cp_layers, cp_moe_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers,
+    volumes_by_axis, volumes_by_kind,
 )
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
 from .hardware import Hardware, get_hardware
@@ -152,7 +153,7 @@ class CostCache:
         key = (hw, moe, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.recompute, lay.cp_kind)
         if key not in self._comm:
             m, ab = self.model, activation_dtype_bytes(self.precision)
-            colls = tp_layers(m, lay, ab, 1) + (ep_layers(m, lay, ab, 1) if moe else [])
+            colls = tp_layers(m, lay, ab, 1) + (ep_layers(m, lay, ab, 1) + cp_moe_layers(m, lay, 1) if moe else [])
             if lay.cp_kind != "ring":
                 colls += cp_layers(m, lay, ab, 1)
             self._comm[key] = sum(c.time(hw) for c in colls)
@@ -308,6 +309,22 @@ def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -
     return dense, expert
 
 
+def _tied_copy_here(m: ModelSpec, lay: LayoutSpec, s: int) -> bool:
+    """Whether stage ``s`` holds one of the two copies of a word embedding tied across the
+    pipeline's first and last stage (summed over them by a gradient finalizer)."""
+    return is_tied(m) and lay.pp > 1 and s in (0, lay.pp - 1)
+
+
+def _runs_grad_finalizers(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> bool:
+    """Whether the ranks of stage ``s`` complete gradients by finalizers before the data-parallel
+    reduction: sums of partial gradients over tp (`volumes.tp_step_calls`) or the tied embedding
+    over the pipeline ends. ZeRO-2/3 then reduce once per step and hold full gradients until then."""
+    m, lay = ctx.m, ctx.lay
+    tp_sums = volumes.tp_step_calls(m.hidden, m.head_dim, m.n_kv_heads, lay.tp, m.num_experts, n_dense + n_moe,
+                                    n_moe, lay.sequence_parallel, s == lay.pp - 1, ctx.sb.grad)
+    return bool(tp_sums) or _tied_copy_here(m, lay, s)
+
+
 def _kept_for_backward(ctx: _Ctx, first: bool, last: bool) -> tuple[float, float]:
     """(non-expert, expert) parameters ZeRO-3 keeps gathered from the forward to the backward:
     the root (embedding, final norm, head) and the last layer (parallel/zero.py). ZeRO-3 runs
@@ -343,8 +360,9 @@ def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tup
     """(params, grads, optimizer, buffers) bytes of one device of stage ``s``."""
     lay, sb = ctx.lay, ctx.sb
     dense, expert = _params_here(ctx, s == 0, s == lay.pp - 1, n_dense, n_moe)
-    ms_d = zero_model_states(dense, lay.dp * lay.cp, zero, sb)
-    ms_e = zero_model_states(expert, lay.dp * lay.cp // lay.ep, zero, sb)
+    sharded_grads = volumes.grads_sharded_in_backward(zero, _runs_grad_finalizers(ctx, s, n_dense, n_moe))
+    ms_d = zero_model_states(dense, lay.dp * lay.cp, zero, sb, sharded_grads)
+    ms_e = zero_model_states(expert, lay.dp * lay.cp // lay.ep, zero, sb, sharded_grads)
     buffers = 0
     if zero == 3 and n_dense + n_moe:
         per = [ctx.costs[k] for k, n in ((False, n_dense), (True, n_moe)) if n]
@@ -407,7 +425,8 @@ def _peak_candidates(groups: list[tuple[int, int, int]]) -> list[int]:
 
 def _states_key(lay: LayoutSpec, zero: int, optimizer: str) -> tuple:
     """What the model states of every stage depend on (not micro-batching, schedule or recomputation)."""
-    return ("states", lay.tp, lay.pp, lay.vpp, lay.pp_layers, lay.ep, lay.dp * lay.cp, zero, optimizer)
+    return ("states", lay.tp, lay.pp, lay.vpp, lay.pp_layers, lay.ep, lay.dp * lay.cp, zero, optimizer,
+            lay.sequence_parallel)  # sequence parallelism adds gradient finalizers
 
 
 def _states_per_stage(ctx: _Ctx, groups: list[tuple[int, int, int]], zero: int) -> list[int]:
@@ -443,13 +462,14 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
 
     # ---- communication ----
     dense, expert = _params_here(ctx, first, last, n_dense, n_moe)
-    tied = m.vocab * m.hidden / t * sb.grad if (is_tied(m) and lay.pp > 1) else 0.0
+    tied = m.vocab * m.hidden / t * sb.grad if _tied_copy_here(m, lay, s) else 0.0
     inner = (tp_layers(m, lay, ab, n_layers * mbs) + tp_ends(m, lay, ab, first, last, mbs)
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
-             + cp_layers(m, lay, ab, n_layers * mbs) + ep_layers(m, lay, ab, n_moe * mbs)
-             + pp_sends(m, lay, ab, s, tied))
+             + cp_layers(m, lay, ab, n_layers * mbs) + cp_moe_layers(m, lay, n_moe * mbs)
+             + ep_layers(m, lay, ab, n_moe * mbs) + pp_sends(m, lay, ab, s, tied))
     kept = _kept_for_backward(ctx, first, last) if lay.zero == 3 and n_layers else (0.0, 0.0)
-    dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep, kept)
+    dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep, kept,
+                  _runs_grad_finalizers(ctx, s, n_dense, n_moe))
     comm_time = {a: 0.0 for a in AXES}
     for c in inner + dp:
         comm_time[c.axis] += c.time(hw)

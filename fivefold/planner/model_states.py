@@ -53,14 +53,17 @@ class ModelStates(NamedTuple):
     optimizer: int
 
 
-def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes) -> ModelStates:
-    """Per-device bytes for ``psi`` parameters sharded over ``n`` ranks at ZeRO ``zero``."""
+def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, sharded_grads: bool = True) -> ModelStates:
+    """Per-device bytes for ``psi`` parameters sharded over ``n`` ranks at ZeRO ``zero``.
+
+    ``sharded_grads=False``: ZeRO-2/3 hold the full gradients until the end of the step, as
+    fivefold does where gradient finalizers run (`fivefold.volumes.grads_sharded_in_backward`).
+    """
     shard = lambda nbytes: math.ceil(nbytes / n)  # noqa: E731
     p, g, k = sb.param * psi, sb.grad * psi, sb.optimizer * psi
+    grads = shard(g) if zero >= 2 and sharded_grads else math.ceil(g)
     if zero == 0:
-        return ModelStates(math.ceil(p), math.ceil(g), math.ceil(k))
-    if zero == 1:
-        return ModelStates(math.ceil(p), math.ceil(g), shard(k))
-    if zero == 2:
-        return ModelStates(math.ceil(p), shard(g), shard(k))
-    return ModelStates(shard(p), shard(g), shard(k))
+        return ModelStates(math.ceil(p), grads, math.ceil(k))
+    if zero in (1, 2):
+        return ModelStates(math.ceil(p), grads, shard(k))
+    return ModelStates(shard(p), grads, shard(k))

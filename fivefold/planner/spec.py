@@ -78,6 +78,7 @@ class ModelSpec:
     shared_experts: int = 0
     tied_embeddings: bool = False
     first_dense_layers: int = 0
+    dropless: bool = True  # MoE routing without capacity (no token dropped)
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +101,8 @@ class ModelSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise PlanError(f"ModelSpec.{name} must be a non-negative integer, got {v!r}")
+        if not isinstance(self.dropless, bool):
+            raise PlanError(f"ModelSpec.dropless must be true or false, got {self.dropless!r}")
         if self.num_experts and self.top_k > self.num_experts:
             raise PlanError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}; "
                             f"use top_k <= {self.num_experts}")

@@ -16,10 +16,12 @@ from .validate import check_layout
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One device of a pipeline stage: its memory and the bytes it sends per axis in a step."""
+    """One device of a pipeline stage: its memory, the bytes it sends per axis in a step and
+    the collectives behind them."""
 
     memory: MemoryBreakdown
     comm_bytes: dict
+    collectives: tuple = ()
 
 
 def stage_plans(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A100-80GB",
@@ -31,5 +33,6 @@ def stage_plans(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware =
     plans = []
     for stage, n_dense, n_moe in _stage_groups(model, layout):
         memory = _stage_memory(ctx, stage, n_dense, n_moe)
-        plans.append(StagePlan(memory, dict(_stage_time(ctx, stage, n_dense, n_moe, memory).volumes)))
+        timing = _stage_time(ctx, stage, n_dense, n_moe, memory)
+        plans.append(StagePlan(memory, dict(timing.volumes), tuple(timing.colls)))
     return plans

@@ -13,9 +13,10 @@ builds one rank (or a few) of the layout in this process:
   dtypes.
 
 Measured, per rank: parameter, gradient and optimizer bytes by storage (`memory.held_memory`,
-right after the optimizer step, when all three are alive), the peak of the bytes saved for
-backward (saved-tensor hooks, each storage counted once while any autograd node holds it),
-and the wire bytes per axis of the step up to and including the optimizer update (what the
+right after the optimizer step, when all three are alive, and at the end of the backward,
+when ZeRO-2/3 may still hold full gradients; the larger of the two), the peak of the bytes
+saved for backward (saved-tensor hooks, each storage counted once while any autograd node
+holds it), and the wire bytes per axis of the step up to and including the optimizer update (what the
 loop then sends to report the loss and MoE statistics is left out, as the planner leaves it). They are printed beside `planner.estimate` for the same layout.
 
 Values that only data decide are assumed, as the planner assumes them: every expert receives
@@ -325,20 +326,34 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
 
 def _measure_after_step(model, held: list[HeldMemory], wire: list[dict]) -> None:  # noqa: ANN001
-    """Read held memory and the bytes sent so far right after the optimizer step.
+    """Read held memory at the end of the backward and right after the optimizer step, and
+    the bytes sent so far after the step.
 
-    Parameters, reduced gradients and the optimizer state are all alive then (zero_grad may
-    drop gradients afterwards), and the step's traffic is complete: what follows only reports
-    (the loss over the world, MoE load statistics), which the planner leaves out.
+    Parameters, reduced gradients and the optimizer state are all alive after the step
+    (zero_grad may drop gradients afterwards), and the step's traffic is complete: what
+    follows only reports (the loss over the world, MoE load statistics), which the planner
+    leaves out. The end of the backward is read too: ZeRO-2/3 hold full gradients until the
+    reduction where gradient finalizers run (see `held_at_peak`).
     """
-    step = model.optimizer.step
+    finish, step = model.optimizer.finish_grad_sync, model.optimizer.step
+
+    def measure_then_finish() -> None:
+        held.append(held_memory(model.chunks, model.optimizer))
+        finish()
 
     def step_then_measure(lr: float) -> None:
         step(lr)
         held.append(held_memory(model.chunks, model.optimizer))
         wire.append(dict(model.mesh.stats.wire))
 
+    model.optimizer.finish_grad_sync = measure_then_finish
     model.optimizer.step = step_then_measure
+
+
+def held_at_peak(held: list[HeldMemory]) -> dict[str, int]:
+    """Each kind of model state at the largest of the measurements, padding left out."""
+    measured = [h.without_padding() for h in held]
+    return {kind: max(m[kind] for m in measured) for kind in measured[0]}
 
 
 def run_rank(config: Config, rank: int) -> RankResult:
@@ -359,14 +374,15 @@ def run_rank(config: Config, rank: int) -> RankResult:
             mesh.stats.reset()
             with saved.hooks():
                 train_step(model, cast(Sampler, _FakeSampler(config)), 0)  # it only asks for batches
-        comm = _bytes_per_planner_axis(wire[0])
+        comm = bytes_per_planner_axis(wire[0])
         return RankResult(
-            mesh.rank, mesh.pp.rank, held[0].without_padding(), saved.peak, comm, built - start,
+            mesh.rank, mesh.pp.rank, held_at_peak(held), saved.peak, comm, built - start,
             time.perf_counter() - built,
         )
 
 
-def _bytes_per_planner_axis(wire: dict[tuple[str, str], int]) -> dict[str, int]:
+def bytes_per_planner_axis(wire: dict[tuple[str, str], int]) -> dict[str, int]:
+    """comm.py's wire bytes per (axis, op), summed per planner axis; the world axis left out."""
     comm: dict[str, int] = {}
     for (axis, _op), nbytes in wire.items():
         if axis in PLANNER_AXIS:
