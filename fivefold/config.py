@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from .malloc import MALLOC_SETTINGS
+
 PRESET_DIR = Path(__file__).parent / "configs"
 
 
@@ -140,6 +142,9 @@ class TrainConfig:
     max_restarts: int = 0  # restarts from the last checkpoint after a rank fails
     collective_timeout_s: float = 300.0  # a collective unfinished this long ends the job with a report
     stop_grace_s: float = 30.0  # after Ctrl-C/SIGTERM: time to checkpoint and exit before SIGKILL
+    # glibc's allocator in every rank (fivefold/malloc.py): "default" (glibc's own thresholds) or
+    # "retain" (freed memory stays with the process, no page faults to get it back); no effect elsewhere
+    malloc: str = "default"
 
 
 @dataclass(frozen=True)
@@ -357,6 +362,7 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.eval_batches": _at_least(1),
     "train.log_interval": _at_least(1),
     "train.device": ((lambda v: v in DEVICES), f"one of {', '.join(DEVICES)}"),
+    "train.malloc": ((lambda v: v in MALLOC_SETTINGS), f"one of {', '.join(MALLOC_SETTINGS)}"),
     "train.drift_margin": _at_least(0),
     "train.max_restarts": _at_least(0),  # restarts after a failed rank
     "train.collective_timeout_s": _positive(),  # seconds a collective may wait before the watchdog stops the job
