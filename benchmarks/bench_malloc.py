@@ -8,7 +8,9 @@ on the `small` preset (what bench_dp and bench_pp run), takes warm-up steps, the
 per rank: wall time, CPU time of the process (all threads: compute and gloo's), page faults
 (getrusage minflt) and peak resident memory over the process's life (VmHWM: building, warm-up
 and the steps). The report is, per case, the median over rounds of retain / default in each
-round (CPU: both ranks' sum; wall: rank 0; faults and memory: per rank).
+round (CPU: both ranks' sum; wall: rank 0; faults and memory: per rank), and the share of
+default's CPU per step that the faults retain avoids cost at this machine's measured price of
+one fault: a bound on what retain can save that the machine's load does not move.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python3 benchmarks/bench_malloc.py --rounds 3
 
@@ -18,6 +20,7 @@ Cases: single (one process), dp, zero2, zero3 (dp=2), 1f1b, zb-h1 (pp=2, 8 micro
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -86,9 +89,14 @@ def worker(case: str, setting: str, warmup: int, steps: int, out: str) -> None:
     if processes > 1:
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
-        dist.destroy_process_group()
-    if not processes > 1 or mesh.rank == 0:
+    if mesh.rank == 0:
         Path(out).write_text(json.dumps(ranks))
+    if processes > 1:  # as run.py leaves a job: gloo's threads joined while the interpreter lives
+        dist.barrier()
+        dist.destroy_process_group()
+        mesh.release()
+        del model
+        gc.collect()
 
 
 def launch(case: str, setting: str, args: argparse.Namespace, out: Path) -> list[dict]:
@@ -121,6 +129,26 @@ def measure(args: argparse.Namespace, cases: list[str]) -> dict[str, list[dict[s
     return rounds
 
 
+def fault_cost_s(rounds: int = 15) -> float:
+    """CPU seconds one page fault costs here: a fresh 64 MiB tensor (its own mmap under glibc's
+    default: above the largest self-adjusted threshold) filled, against a resident one filled,
+    over the faults the first takes; the median of alternated pairs."""
+    import torch
+
+    torch.set_num_threads(1)
+    numel = (64 << 20) // 4
+    resident = torch.zeros(numel)
+    costs = []
+    for _ in range(rounds):
+        faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.thread_time()
+        torch.empty(numel).fill_(1.0)
+        fresh, faults = time.thread_time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        start = time.thread_time()
+        resident.fill_(1.0)
+        costs.append((fresh - (time.thread_time() - start)) / max(faults, 1))
+    return statistics.median(costs)
+
+
 def ratio(rounds: list[dict[str, dict]], key: str) -> float:
     return statistics.median(r["retain"][key] / r["default"][key] for r in rounds)
 
@@ -129,24 +157,29 @@ def per_rank_median(rounds: list[dict[str, dict]], setting: str, key: str) -> li
     return [statistics.median(r[setting][key][i] for r in rounds) for i in range(len(rounds[0][setting][key]))]
 
 
-def report(rounds: dict[str, list[dict[str, dict]]]) -> dict:
+def report(rounds: dict[str, list[dict[str, dict]]], per_fault_s: float) -> dict:
     load = os.getloadavg()
     print(f"\nretain / default, median over {len(next(iter(rounds.values())))} rounds "
           f"(load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}); faults per step and peak RSS per rank, medians")
     print(f"{'case':8s} {'CPU':>6s} {'wall':>6s}   {'faults default':>18s} {'faults retain':>18s}   "
-          f"{'peak MB default':>18s} {'peak MB retain':>18s}")
+          f"{'peak MB default':>18s} {'peak MB retain':>18s}   {'faults saved, % of CPU':>22s}")
     table = {}
     for case, per_round in rounds.items():
         row = {"cpu_ratio": ratio(per_round, "cpu_s"), "wall_ratio": ratio(per_round, "wall_s")}
         for s in MALLOC_SETTINGS:
             row[f"minflt_{s}"] = per_rank_median(per_round, s, "minflt")
             row[f"peak_rss_mb_{s}"] = per_rank_median(per_round, s, "peak_rss_mb")
+        # what the faults retain avoids cost at this machine's price per fault, against default's CPU per step
+        saved = (sum(row["minflt_default"]) - sum(row["minflt_retain"])) * per_fault_s
+        row["fault_share_of_cpu"] = saved / statistics.median(r["default"]["cpu_s"] for r in per_round)
         table[case] = row | {"rounds": per_round}
         cells = [" ".join(f"{v:.0f}" for v in row[k]) for k in
                  ("minflt_default", "minflt_retain", "peak_rss_mb_default", "peak_rss_mb_retain")]
         print(f"{case:8s} {row['cpu_ratio']:6.3f} {row['wall_ratio']:6.3f}   {cells[0]:>18s} {cells[1]:>18s}   "
-              f"{cells[2]:>18s} {cells[3]:>18s}")
-    return {"load_average": load, "cases": table}
+              f"{cells[2]:>18s} {cells[3]:>18s}   {row['fault_share_of_cpu']:>22.2%}")
+    print(f"one page fault costs {per_fault_s * 1e6:.2f} us of CPU here (a fresh 64 MiB tensor filled against a "
+          "resident one); the last column is what retain's fewer faults can save, whatever the load")
+    return {"load_average": load, "fault_cost_s": per_fault_s, "cases": table}
 
 
 def main() -> None:
@@ -167,7 +200,8 @@ def main() -> None:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise SystemExit(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    result = report(measure(args, cases))
+    per_fault_s = fault_cost_s()
+    result = report(measure(args, cases), per_fault_s)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")

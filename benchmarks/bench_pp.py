@@ -37,11 +37,11 @@ ceiling against torch: per timed round, the executor model on torch's main-threa
 over the model on fivefold's compute alone (both stretched to the same round's CPU), against
 1.05, with the interval of its median over rounds.
 
-`--malloc retain` makes glibc keep freed memory (no heap trimming, no mmap per large tensor)
-for every case alike, as jemalloc or tcmalloc would: the zero-bubble schedule keeps each
-micro-batch's (x, dy) from its B to its W step, an allocation pattern for which glibc's
-default trims and regrows the heap, and the page faults cost it ~10% of its CPU time.
-Peak RSS per case means little then (freed memory stays resident).
+`--malloc retain` runs every case alike, fivefold's and torch's, under glibc's allocator as
+`train.malloc=retain` sets it (fivefold/malloc.py: freed memory stays with the process, as
+jemalloc or tcmalloc keep it). It removes the page faults glibc's default takes to get freed
+memory back, which `benchmarks/bench_malloc.py` measured at under 1% of a pipeline step's CPU.
+Peak RSS per case means less then: freed memory stays resident.
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .malloc import MALLOC_SETTINGS
-
 PRESET_DIR = Path(__file__).parent / "configs"
 
 
@@ -313,6 +311,7 @@ def config_from_dict(values: dict[str, Any]) -> Config:
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # becomes a folder name under runs/
 DEVICES = ("auto", "cpu", "cuda")
+MALLOC_SETTINGS = ("default", "retain")  # train.malloc, applied by fivefold/malloc.py
 SEED_LIMIT = 2**31  # seeds are combined with step and epoch numbers into 64-bit generator seeds
 
 
