@@ -105,7 +105,11 @@ def launch(case: str, setting: str, args: argparse.Namespace, out: Path) -> list
           "--steps", str(args.steps), "--out", str(out)]
     runner = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else []
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, *runner, *me], env=env, check=True, stdout=subprocess.DEVNULL)
+    out.unlink(missing_ok=True)
+    job = subprocess.run([sys.executable, *runner, *me], env=env, stdout=subprocess.DEVNULL)
+    if job.returncode != 0 or not out.exists():
+        raise SystemExit(f"the {case} launch under malloc={setting} failed (exit code {job.returncode}); "
+                         "its output is above")
     return json.loads(out.read_text())
 
 
