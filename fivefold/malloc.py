@@ -90,8 +90,12 @@ def apply_malloc(setting: str) -> MallocState:
     if setting == "default":
         own = "glibc's own thresholds" + (f", as set by {from_env}" if from_env else "")
         return MallocState(setting, True, f"glibc {glibc_version()}: {own}")
-    if not (mallopt(M_MMAP_THRESHOLD, RETAIN_MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, RETAIN_TRIM_THRESHOLD)):
-        return MallocState(setting, False, f"glibc {glibc_version()} refused the thresholds; its own stay in effect")
+    accepted = {"mmap threshold": mallopt(M_MMAP_THRESHOLD, RETAIN_MMAP_THRESHOLD),
+                "trim threshold": mallopt(M_TRIM_THRESHOLD, RETAIN_TRIM_THRESHOLD)}
+    refused = [name for name, ok in accepted.items() if not ok]
+    if refused:
+        return MallocState(setting, False, f"glibc {glibc_version()} refused the {' and '.join(refused)}: "
+                                           "its own in their place")
     overridden = f" (replacing {from_env} from the environment)" if from_env else ""
     return MallocState(setting, True, f"glibc {glibc_version()}: mmap threshold {RETAIN_MMAP_THRESHOLD} B, "
                                       f"trim threshold {RETAIN_TRIM_THRESHOLD} B{overridden}")

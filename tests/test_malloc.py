@@ -71,6 +71,13 @@ def test_without_glibc_the_setting_changes_nothing_and_says_so(monkeypatch):
     assert apply_malloc("default").in_effect  # the system's own allocator is the default
 
 
+def test_thresholds_glibc_refuses_are_reported_not_claimed(monkeypatch):
+    monkeypatch.setattr(malloc, "glibc_mallopt", lambda: lambda param, value: int(param == malloc.M_TRIM_THRESHOLD))
+    monkeypatch.setattr(malloc, "glibc_version", lambda: "2.17")
+    state = apply_malloc("retain")
+    assert not state.in_effect and state.detail == "glibc 2.17 refused the mmap threshold: its own in their place"
+
+
 @pytest.mark.skipif(not ON_GLIBC, reason="glibc's allocator only")
 def test_retain_keeps_freed_memory_with_the_process():
     kept = {}
