@@ -62,6 +62,7 @@ from fivefold.tools import bench  # noqa: E402
 from fivefold.config import Config, load_config  # noqa: E402
 from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
 from fivefold.layout import validate  # noqa: E402
+from fivefold.malloc import MALLOC_SETTINGS, MallocState, apply_malloc  # noqa: E402
 from fivefold.mesh import Mesh  # noqa: E402
 from fivefold.model import build_model  # noqa: E402
 from fivefold.parallelize import cross_entropy_sum  # noqa: E402
@@ -350,11 +351,16 @@ def main() -> None:
                         help="the dp and ZeRO-1 steps against their floor (CPU of compute alone + collectives alone)")
     parser.add_argument("--zero3-floor", action="store_true",
                         help="fivefold's ZeRO-3 and dp steps beside dp's step plus the bare all-gathers ZeRO-3 adds")
+    parser.add_argument("--malloc", choices=MALLOC_SETTINGS, default="default",
+                        help="glibc's allocator for every case alike, fivefold's and the peers' (as train.malloc)")
     parser.add_argument("--json", default="runs/bench/dp.json")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.global_batch=8")
     args = parser.parse_args()
+    malloc = apply_malloc(args.malloc)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    if dist.get_rank() == 0:
+        print(f"allocator for every case, fivefold's and the peers' alike: malloc={malloc.setting} ({malloc.detail})")
     config = load_config("small", args.overrides)
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
@@ -372,7 +378,7 @@ def main() -> None:
     keep_cpu_records(results, cpu, args.warmup)
     bench.gather_peak_rss(results)
     if dist.get_rank() == 0:
-        report(args, config, results)
+        report(args, config, results, malloc)
     dist.destroy_process_group()
 
 
@@ -630,8 +636,9 @@ def print_cpu(results: dict) -> None:
     ))
 
 
-def report(args, config: Config, results: dict) -> None:
-    meta = {"preset": "small", "dp": 2, "global_batch": config.train.global_batch, "seq_len": config.train.seq_len}
+def report(args, config: Config, results: dict, malloc: MallocState) -> None:
+    meta = {"preset": "small", "dp": 2, "global_batch": config.train.global_batch, "seq_len": config.train.seq_len,
+            "malloc": malloc.to_dict()}
     if args.case:
         res = results[args.case]
         per_rank = ", ".join(f"{r:.0f}" for r in res.extra["peak_rss_mb_per_rank"])

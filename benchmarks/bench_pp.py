@@ -37,18 +37,17 @@ ceiling against torch: per timed round, the executor model on torch's main-threa
 over the model on fivefold's compute alone (both stretched to the same round's CPU), against
 1.05, with the interval of its median over rounds.
 
-`--malloc retain` makes glibc keep freed memory (no heap trimming, no mmap per large tensor)
-for every case alike, as jemalloc or tcmalloc would: the zero-bubble schedule keeps each
-micro-batch's (x, dy) from its B to its W step, an allocation pattern for which glibc's
-default trims and regrows the heap, and the page faults cost it ~10% of its CPU time.
-Peak RSS per case means little then (freed memory stays resident).
+`--malloc retain` runs every case alike, fivefold's and torch's, under glibc's allocator as
+`train.malloc=retain` sets it (fivefold/malloc.py: freed memory stays with the process, as
+jemalloc or tcmalloc keep it). It removes the page faults glibc's default takes to get freed
+memory back, which `benchmarks/bench_malloc.py` measured at under 1% of a pipeline step's CPU.
+Peak RSS per case means less then: freed memory stays resident.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import os
 import statistics
@@ -66,6 +65,7 @@ from fivefold.tools.bench import (
 from fivefold.config import load_config
 from fivefold.data import Sampler, load_tokenizer, load_tokens
 from fivefold.layout import validate
+from fivefold.malloc import MALLOC_SETTINGS, apply_malloc
 from fivefold.mesh import Mesh
 from fivefold.parallel import comm
 from fivefold.parallel.schedules import build_schedule, executor_model, stage_of
@@ -517,16 +517,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1")
-    parser.add_argument("--malloc", choices=("default", "retain"), default="default",
-                        help="retain: glibc keeps freed memory for every case (see the module docstring)")
+    parser.add_argument("--malloc", choices=MALLOC_SETTINGS, default="default",
+                        help="glibc's allocator for every case alike, as train.malloc (see the module docstring)")
     parser.add_argument("--recv-at-place", action="store_true",
                         help="also time fivefold posting each receive at its place in the table (no receive ahead)")
     parser.add_argument("--json", default="")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.seq_len=64")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.malloc == "retain":
-        retain_freed_memory()
+    malloc = apply_malloc(args.malloc)
     dist.init_process_group("gloo")
     pp = dist.get_world_size()
     config = load_config(args.config, [f"layout.pp={pp}", f"layout.grad_accum={args.micro_batches}", *args.overrides])
@@ -545,7 +544,7 @@ def main() -> None:
     bubbles = measure_bubbles(measured, mesh, transfer["latency_s"])
     action_cpu = {name: bubble.pop("action_cpu_s") for name, bubble in bubbles.items()}
     meta = {"pp": pp, "micro_batches": args.micro_batches, "config": args.config, "overrides": args.overrides,
-            "malloc": args.malloc, "transfer": transfer}
+            "malloc": malloc.to_dict(), "transfer": transfer}
     for name, measured_bubble in bubbles.items():
         vpp = 2 if name == "interleaved" else 1
         meta[f"bubble {name}"] = measured_bubble | {"formula": bubble_formula(name, pp, args.micro_batches, vpp),
@@ -558,6 +557,7 @@ def main() -> None:
     ours_only_peer = "fivefold 1f1b" if "1f1b" in schedules else f"fivefold {first}"
     comparison = compare(f"pipeline schedules, pp={pp}, m={args.micro_batches}", results, f"torch {first}", meta)
     if mesh.rank == 0:
+        print(f"allocator for every case, fivefold's and torch's alike: malloc={malloc.setting} ({malloc.detail})")
         print_table(comparison)
         for name in bubbles:
             b = meta[f"bubble {name}"]

@@ -140,6 +140,9 @@ class TrainConfig:
     max_restarts: int = 0  # restarts from the last checkpoint after a rank fails
     collective_timeout_s: float = 300.0  # a collective unfinished this long ends the job with a report
     stop_grace_s: float = 30.0  # after Ctrl-C/SIGTERM: time to checkpoint and exit before SIGKILL
+    # glibc's allocator in every rank (fivefold/malloc.py): "default" (glibc's own thresholds) or
+    # "retain" (freed memory stays with the process, no page faults to get it back); no effect elsewhere
+    malloc: str = "default"
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,7 @@ def config_from_dict(values: dict[str, Any]) -> Config:
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # becomes a folder name under runs/
 DEVICES = ("auto", "cpu", "cuda")
+MALLOC_SETTINGS = ("default", "retain")  # train.malloc, applied by fivefold/malloc.py
 SEED_LIMIT = 2**31  # seeds are combined with step and epoch numbers into 64-bit generator seeds
 
 
@@ -357,6 +361,7 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.eval_batches": _at_least(1),
     "train.log_interval": _at_least(1),
     "train.device": ((lambda v: v in DEVICES), f"one of {', '.join(DEVICES)}"),
+    "train.malloc": ((lambda v: v in MALLOC_SETTINGS), f"one of {', '.join(MALLOC_SETTINGS)}"),
     "train.drift_margin": _at_least(0),
     "train.max_restarts": _at_least(0),  # restarts after a failed rank
     "train.collective_timeout_s": _positive(),  # seconds a collective may wait before the watchdog stops the job

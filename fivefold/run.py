@@ -20,6 +20,7 @@ from .data import Sampler, TokenData
 from .packing import data_position
 from .precision import PrecisionPolicy
 from .layout import validate
+from .malloc import MallocState, apply_malloc
 from .mesh import Mesh, device_for
 from .metrics import (
     DTYPES, StepProfiler, machine_memory_bytes, model_flops_per_token, parameter_count, peak_flops_for_log,
@@ -280,6 +281,19 @@ def claim_run_dir(run_dir: Path, config: Config, mesh: Mesh, device: torch.devic
     return lock
 
 
+def record_malloc(run_dir: Path, state: MallocState, mesh: Mesh) -> None:
+    """malloc.json in the run folder: the allocator setting each rank runs under and whether it
+    took effect there (ranks on other machines may have another C library)."""
+    states: list[Any] = [state.to_dict()]
+    if mesh.is_distributed:
+        states = [None] * mesh.world_size
+        dist.all_gather_object(states, state.to_dict())
+    if mesh.rank == 0:
+        write_json(run_dir / "malloc.json", [{"rank": rank} | s for rank, s in enumerate(states)])
+        if state.setting != "default" or not state.in_effect:
+            print(f"malloc={state.setting}: {state.detail}")
+
+
 def run_training(
     config: Config, run_dir: Path | None = None, show_progress: bool = True, overwrite: bool = False
 ) -> list[dict]:
@@ -290,10 +304,12 @@ def run_training(
     """
     config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
     check_machine(config)
+    malloc = apply_malloc(config.train.malloc)  # before the model and the data are allocated
     run_dir = Path(run_dir or new_run_dir(config))
     with distributed_job(config, run_dir / "flight_records") as (mesh, device):
         lock = claim_run_dir(run_dir, config, mesh, device, overwrite)
         try:
+            record_malloc(run_dir, malloc, mesh)
             return _train_in(config, run_dir, mesh, device, show_progress)
         finally:
             if lock is not None:
