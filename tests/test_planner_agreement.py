@@ -10,8 +10,8 @@ axis and is left out, as the dry run leaves it out (`fivefold.tools.dryrun.PLANN
 
 Held memory is taken at the end of the backward and again after the gradient reduction, and
 each kind is held to the planner at the larger of the two, as the dry run does: ZeRO-2/3 keep
-full gradients until the end of the step when gradient finalizers (sums over tp, the tied
-embedding over the pipeline ends) must run first, sharded ones otherwise.
+the gradients that gradient finalizers complete (sums over tp, the tied embedding over the
+pipeline ends) full until the end of the step, the others sharded.
 
 Expert parallelism's all-to-all volume depends on the actual routing, which the planner
 assumes balanced: there the runtime's number of all-to-alls equals the planner's, and its
