@@ -45,41 +45,46 @@ def test_each_finalizer_kind_matches_one_process_under_zero2_and_zero3(pools, re
 
 
 def _grads_at_end_of_backward(ctx, config) -> dict:
-    """One step's backward on this rank: which parameters still hold .grad, the gradient bytes
-    held, the bytes the layout should hold, and the reduce-scatters issued per bucket kind."""
+    """One training step on this rank, read when the backward has ended (before finish_grad_sync)."""
     from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.held_memory import held_memory
     from fivefold.layout import validate
-    from fivefold.parallel.data_parallel import trainable
-    from fivefold.train import build, forward_backward, local_micro_batches
+    from fivefold.train import build, train_step
 
     config = validate(config, ctx.world_size)
     mesh = ctx.mesh(config.layout)
-    data = load_tokens(config.data, load_tokenizer("bytes"))
+    data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
     model = build(config, mesh, torch.device("cpu"))
-    sync = model.optimizer.sync
+    finish, result = model.optimizer.finish_grad_sync, {}
+
+    def read_then_finish() -> None:
+        result.update(_held_gradients(model))
+        result["reduce_scatters"] = mesh.stats.calls.get(("dp_cp", "reduce_scatter"), 0)
+        finish()
+        result["reduce_scatters"] = (result["reduce_scatters"], mesh.stats.calls.get(("dp_cp", "reduce_scatter"), 0))
+
+    model.optimizer.finish_grad_sync = read_then_finish
     mesh.stats.reset()
-    batches = local_micro_batches(model, sampler, 0)
-    if model.runner is not None:
-        model.runner.run(batches)
-    else:
-        forward_backward(model, batches, torch.device("cpu"))
+    train_step(model, sampler, 0)
+    return result
+
+
+def _held_gradients(model) -> dict:
+    """Which parameters hold .grad, the gradient bytes held, the bytes the deferred buckets (full)
+    and this rank's shards of the others should take, and the number of buckets of each kind."""
+    from fivefold.held_memory import held_memory
+    from fivefold.parallel.data_parallel import trainable
+
+    sync = model.optimizer.sync
     deferred = [b for b in sync.buckets if b.extra["deferred"]]
     finalized = {id(seg.param) for b in deferred for seg in b.segments}
-    with_grad = {id(p) for _, p in trainable(model.chunks) if p.grad is not None}
-    held = held_memory(model.chunks, model.optimizer).without_padding()["grads"]
     shards = sum(max(0, min(hi, b.used) - lo) for b, (lo, hi) in zip(sync.buckets, sync.ranges)
                  if not b.extra["deferred"])
-    full = sum(b.used for b in deferred)
-    reduce_scatters_in_backward = mesh.stats.calls.get(("dp_cp", "reduce_scatter"), 0)
-    model.optimizer.finish_grad_sync()
     return {
         "finalized": len(finalized),
-        "only_finalized_hold_grads": with_grad == finalized,
-        "held": held,
-        "expected": 4 * (full + shards),
-        "reduce_scatters": (reduce_scatters_in_backward, mesh.stats.calls.get(("dp_cp", "reduce_scatter"), 0)),
+        "only_finalized_hold_grads": {id(p) for _, p in trainable(model.chunks) if p.grad is not None} == finalized,
+        "held": held_memory(model.chunks, model.optimizer).without_padding()["grads"],
+        "expected": 4 * (sum(b.used for b in deferred) + shards),
         "buckets": (sum(not b.extra["deferred"] and b.axis.name == "dp_cp" for b in sync.buckets),
                     sum(b.extra["deferred"] and b.axis.name == "dp_cp" for b in sync.buckets)),
     }
