@@ -309,10 +309,10 @@ def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -
     return dense, expert
 
 
-def _tied_copy_here(m: ModelSpec, lay: LayoutSpec, s: int) -> bool:
-    """Whether stage ``s`` holds one of the two copies of a word embedding tied across the
-    pipeline's first and last stage (summed over them by a gradient finalizer)."""
-    return is_tied(m) and lay.pp > 1 and s in (0, lay.pp - 1)
+def _tied_copy_elements(m: ModelSpec, lay: LayoutSpec, s: int) -> float:
+    """Elements of the copy of a word embedding tied across the pipeline's first and last stage
+    that a rank of stage ``s`` holds (summed over them by a gradient finalizer); 0 elsewhere."""
+    return m.vocab * m.hidden / lay.tp if is_tied(m) and lay.pp > 1 and s in (0, lay.pp - 1) else 0.0
 
 
 def _finalized_params(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> float:
@@ -324,8 +324,7 @@ def _finalized_params(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> float:
     partial, shared_kv = volumes.tp_finalized_elements(m.hidden, m.head_dim, m.n_kv_heads, lay.tp, m.num_experts,
                                                        n_dense + n_moe, n_moe, lay.sequence_parallel,
                                                        s == lay.pp - 1)
-    tied = m.vocab * m.hidden / lay.tp if _tied_copy_here(m, lay, s) else 0.0
-    return partial + shared_kv + tied
+    return partial + shared_kv + _tied_copy_elements(m, lay, s)
 
 
 def _kept_for_backward(ctx: _Ctx, first: bool, last: bool) -> tuple[float, float]:
@@ -464,7 +463,7 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
 
     # ---- communication ----
     dense, expert = _params_here(ctx, first, last, n_dense, n_moe)
-    tied = m.vocab * m.hidden / t * sb.grad if _tied_copy_here(m, lay, s) else 0.0
+    tied = _tied_copy_elements(m, lay, s) * sb.grad
     inner = (tp_layers(m, lay, ab, n_layers * mbs) + tp_ends(m, lay, ab, first, last, mbs)
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
              + cp_layers(m, lay, ab, n_layers * mbs) + cp_moe_layers(m, lay, n_moe * mbs)
