@@ -45,6 +45,7 @@ class ParamFinalizer:
     def __call__(self) -> None:
         self.run()
 
+
 # {parameter name: {state key ("exp_avg", "exp_avg_sq", "param"): (this rank's tensor, where it sits)}}
 ShardedState = dict[str, dict[str, tuple[torch.Tensor, Placement | ShardSpec]]]
 
