@@ -15,9 +15,8 @@ builds one rank (or a few) of the layout in this process:
 Measured, per rank: parameter, gradient and optimizer bytes by storage (`memory.held_memory`,
 right after the optimizer step, when all three are alive, and at the end of the backward,
 when ZeRO-2/3 still hold the full gradients that gradient finalizers complete; the larger of
-the two), the peak of the bytes
-saved for backward (saved-tensor hooks, each storage counted once while any autograd node
-holds it), and the wire bytes per axis of the step up to and including the optimizer update (what the
+the two), the peak of the bytes saved for backward (saved-tensor hooks, each storage counted
+once while any autograd node holds it), and the wire bytes per axis of the step up to and including the optimizer update (what the
 loop then sends to report the loss and MoE statistics is left out, as the planner leaves it). They are printed beside `planner.estimate` for the same layout.
 
 Values that only data decide are assumed, as the planner assumes them: every expert receives
