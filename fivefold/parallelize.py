@@ -16,7 +16,7 @@ registered with it here, nowhere else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -26,7 +26,7 @@ from .mesh import Mesh
 from .model import Transformer
 from .model.llama import Block
 from .parallel.optim import AdamWSettings, ReplicatedAdamW
-from .parallel.protocols import GradFinalizer, TrainingOptimizer
+from .parallel.protocols import ParamFinalizer, TrainingOptimizer
 from .parallel.sharding import materialize
 from .step import MicroBatch, cross_entropy_sum, whole_sequence
 
@@ -90,7 +90,7 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
     layout = config.layout
     device = torch.device(device)
     chunks = build_chunks(config, mesh)
-    finalizers: list[GradFinalizer] = []
+    finalizers: list[ParamFinalizer] = []
     loss_fn: Callable = cross_entropy_sum
     shard_sequence: Callable = whole_sequence
     for chunk in chunks:
@@ -124,13 +124,12 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
         from .parallel.context_parallel import sequence_sharder
 
         shard_sequence = sequence_sharder(mesh, config)
-    optimizer = build_optimizer(chunks, mesh, config)
     if layout.pp > 1:
         from .parallel.pipeline import tied_gradient_finalizer
 
         tied = tied_gradient_finalizer(chunks, mesh, config.model)  # None unless the ends share the embedding
         finalizers += [tied] if tied is not None else []
-    optimizer.grad_finalizers.extend(finalizers)
+    optimizer = build_optimizer(chunks, mesh, config, finalizers)
     # Every cp rank holds the same per-sequence auxiliary loss: one of them reports it.
     aux_owner = layout.cp == 1 or mesh.cp.rank == 0
     model = ParallelModel(config, mesh, chunks, optimizer, loss_fn, shard_sequence, device, aux_owner)
@@ -141,15 +140,22 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
     return model
 
 
-def build_optimizer(chunks: list[Transformer], mesh: Mesh, config: Config) -> TrainingOptimizer:
-    """Data parallel (and ZeRO) over dp x cp, or the plain optimizer when there is one replica."""
+def build_optimizer(chunks: list[Transformer], mesh: Mesh, config: Config,
+                    finalizers: Sequence[ParamFinalizer] = ()) -> TrainingOptimizer:
+    """Data parallel (and ZeRO) over dp x cp, or the plain optimizer when there is one replica,
+    with every strategy's gradient finalizers registered (ZeRO buckets their parameters apart)."""
     settings = AdamWSettings.from_train(config.train)
+    optimizer: TrainingOptimizer
     if mesh.dp_cp.size == 1 and mesh.edp.size == 1:
-        return ReplicatedAdamW(list(chunks), mesh, settings)
-    if config.layout.zero == 0:
+        optimizer = ReplicatedAdamW(list(chunks), mesh, settings)
+    elif config.layout.zero == 0:
         from .parallel.data_parallel import DataParallelAdamW
 
-        return DataParallelAdamW(list(chunks), mesh, settings, bucket_mb=config.layout.bucket_mb)
-    from .parallel.zero import ZeroAdamW
+        optimizer = DataParallelAdamW(list(chunks), mesh, settings, bucket_mb=config.layout.bucket_mb)
+    else:
+        from .parallel.zero import ZeroAdamW
 
-    return ZeroAdamW(list(chunks), mesh, settings, stage=config.layout.zero, bucket_mb=config.layout.bucket_mb)
+        return ZeroAdamW(list(chunks), mesh, settings, stage=config.layout.zero, bucket_mb=config.layout.bucket_mb,
+                         finalizers=finalizers)
+    optimizer.grad_finalizers.extend(finalizers)
+    return optimizer

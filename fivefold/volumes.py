@@ -154,23 +154,36 @@ def tp_end_calls(x_bytes: int, rows: int, sequence_parallel: bool, first: bool, 
     return out
 
 
-def tp_step_calls(hidden: int, head_dim: int, kv_heads: int, tp: int, num_experts: int, layers: int,
-                  moe_layers: int, sequence_parallel: bool, last: bool, grad_bytes: int) -> list[Call]:
-    """Once per step, for ``layers`` layers (``moe_layers`` of them MoE) held by the rank.
+def tp_finalized_elements(hidden: int, head_dim: int, kv_heads: int, tp: int, num_experts: int, layers: int,
+                          moe_layers: int, sequence_parallel: bool, last: bool) -> tuple[int, int]:
+    """(partial, shared kv) local gradient elements that tp's gradient finalizers complete, for
+    ``layers`` layers (``moe_layers`` of them MoE) held by the rank (``last``: the final norm too).
 
-    Gradients partial over tp are summed in one all-reduce: norm weights under sequence
-    parallelism (each rank saw its tokens), MoE routers (each rank saw its expert slice);
-    key/value heads shared by tp/kv ranks in one (kv, n) buffer. They run as gradient
-    finalizers, which decide when ZeRO reduces (`grads_sharded_in_backward`).
+    Partial over tp: norm weights under sequence parallelism (each rank saw its tokens), MoE
+    routers (each rank saw its expert slice). Shared: the rank's key/value head (wk and wv)
+    when tp exceeds the kv heads, held by tp/kv ranks that each saw their own query heads.
     """
     if tp == 1 or layers == 0:
-        return []
-    summed = hidden * (2 * layers + (1 if last else 0)) if sequence_parallel else 0
-    summed += moe_layers * num_experts * hidden
-    out = [Call("all_reduce", summed * grad_bytes, 1, "step", "partial gradients")] if summed else []
-    if kv_heads % tp:
-        out.append(Call("all_reduce", kv_heads * 2 * layers * head_dim * hidden * grad_bytes, 1, "step",
-                        "shared kv heads"))
+        return 0, 0
+    partial = hidden * (2 * layers + (1 if last else 0)) if sequence_parallel else 0
+    partial += moe_layers * num_experts * hidden
+    shared_kv = 2 * layers * head_dim * hidden if kv_heads % tp else 0
+    return partial, shared_kv
+
+
+def tp_step_calls(hidden: int, head_dim: int, kv_heads: int, tp: int, num_experts: int, layers: int,
+                  moe_layers: int, sequence_parallel: bool, last: bool, grad_bytes: int) -> list[Call]:
+    """Once per step: the gradient finalizers' sums of `tp_finalized_elements` (same arguments).
+
+    The partial gradients are summed in one all-reduce, the shared kv heads in one (kv, n)
+    buffer (each group of tp/kv ranks fills its row). What they read, ZeRO reduces only after
+    them (`zero_reduction`).
+    """
+    partial, shared_kv = tp_finalized_elements(hidden, head_dim, kv_heads, tp, num_experts, layers, moe_layers,
+                                               sequence_parallel, last)
+    out = [Call("all_reduce", partial * grad_bytes, 1, "step", "partial gradients")] if partial else []
+    if shared_kv:
+        out.append(Call("all_reduce", kv_heads * shared_kv * grad_bytes, 1, "step", "shared kv heads"))
     return out
 
 
@@ -315,17 +328,33 @@ def pp_calls(act_bytes: int, forward_sends: int, backward_sends: int) -> list[Ca
 # ----------------------------------------------------------------------------- data parallel
 
 
-def grads_sharded_in_backward(zero: int, finalizers: bool) -> bool:
-    """Whether ZeRO reduce-scatters each backward's gradients as they complete and keeps only
-    their shard (stages 2-3). Not when gradient finalizers run (sums of partial gradients over
-    tp, `tp_step_calls`; the tied embedding's sum over the pipeline ends): they need the full
-    local gradients, so the reduction waits for them at the end of the step, runs once, and
-    the rank holds full gradients until then (parallel/zero.py)."""
-    return zero >= 2 and not finalizers
+def zero_reduction(zero: int, grad_bytes: float, micro_batches: int, finalized_bytes: float = 0.0) -> list[Call]:
+    """ZeRO's gradient reduce-scatters of one step (stages 1-3), and what ZeRO-2/3 hold full.
+
+    Stage 1 reduces once per step. Stages 2-3 reduce-scatter each backward's gradients as they
+    complete and keep only their shard, but for the ``finalized_bytes`` of gradients that
+    gradient finalizers complete (sums over tp, `tp_finalized_elements`; the tied embedding's
+    sum over the pipeline ends): those parameters sit in buckets of their own that keep their
+    full local gradients until the finalizers have run at the end of the step, then are
+    reduced once (parallel/zero.py). `held_full_grad_bytes` says what a rank holds full.
+    """
+    if zero == 1:
+        return [Call("reduce_scatter", grad_bytes, 1, "bwd", "grads")]
+    out = [Call("reduce_scatter", grad_bytes - finalized_bytes, micro_batches, "bwd", "grads")]
+    if finalized_bytes:
+        out.append(Call("reduce_scatter", finalized_bytes, 1, "bwd", "grads after their finalizers"))
+    return [c for c in out if c.nbytes]
+
+
+def held_full_grad_bytes(zero: int, grad_bytes: float, finalized_bytes: float) -> float:
+    """Gradient bytes a ZeRO rank holds unsharded at the end of the backward (`zero_reduction`):
+    all of them at stages 0-1, the finalized ones at stages 2-3."""
+    return grad_bytes if zero < 2 else finalized_bytes
 
 
 def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batches: int,
-                  gathers_per_micro_batch: int = 2, kept_bytes: float = 0.0, finalizers: bool = False) -> list[Call]:
+                  gathers_per_micro_batch: int = 2, kept_bytes: float = 0.0,
+                  finalized_bytes: float = 0.0) -> list[Call]:
     """Data-parallel (ZeRO) collectives of one step for a rank's gradients / parameters.
 
     ZeRO-0: one all-reduce of the gradients per step. ZeRO-1: reduce-scatter of the gradients
@@ -335,21 +364,19 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
     recomputation), a gradient reduce-scatter per micro-batch. `kept_bytes` of the parameters
     stay gathered from the forward to the backward (zero.py keeps the chunk's root, i.e.
     embedding, final norm and head, and its last block): the later gathers leave them out.
-    With gradient ``finalizers`` ZeRO-2/3 reduce once per step (`grads_sharded_in_backward`).
+    ``finalized_bytes`` of the gradients are reduced once per step (`zero_reduction`).
     """
     if zero == 0:
         return [Call("all_reduce", grad_bytes, 1, "bwd", "grads")]
-    reduce_scatters = micro_batches if grads_sharded_in_backward(zero, finalizers) else 1
+    reduce = zero_reduction(zero, grad_bytes, micro_batches, finalized_bytes)
     if zero in (1, 2):
-        return [Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads"),
-                Call("all_gather", param_bytes, 1, "step", "updated params")]
+        return [*reduce, Call("all_gather", param_bytes, 1, "step", "updated params")]
     if not kept_bytes:
-        return [Call("all_gather", param_bytes, gathers_per_micro_batch * micro_batches, "fwd", "params"),
-                Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads")]
+        return [Call("all_gather", param_bytes, gathers_per_micro_batch * micro_batches, "fwd", "params"), *reduce]
     return [Call("all_gather", param_bytes, micro_batches, "fwd", "params"),
             Call("all_gather", param_bytes - kept_bytes, (gathers_per_micro_batch - 1) * micro_batches, "bwd",
                  "params not kept from the forward"),
-            Call("reduce_scatter", grad_bytes, reduce_scatters, "bwd", "grads")]
+            *reduce]
 
 
 def dp_comm_bytes_per_step(elements: int, n: int, stage: int, micro_batches: int = 1,

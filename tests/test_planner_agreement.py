@@ -10,8 +10,8 @@ axis and is left out, as the dry run leaves it out (`fivefold.tools.dryrun.PLANN
 
 Held memory is taken at the end of the backward and again after the gradient reduction, and
 each kind is held to the planner at the larger of the two, as the dry run does: ZeRO-2/3 keep
-full gradients until the end of the step when gradient finalizers (sums over tp, the tied
-embedding over the pipeline ends) must run first, sharded ones otherwise.
+the gradients that gradient finalizers complete (sums over tp, the tied embedding over the
+pipeline ends) full until the end of the step, the others sharded.
 
 Expert parallelism's all-to-all volume depends on the actual routing, which the planner
 assumes balanced: there the runtime's number of all-to-alls equals the planner's, and its
@@ -124,7 +124,7 @@ CASES = [
     *(_case("tiny", 4, **lay) for lay in (
         {"dp": 2, "tp": 2, "zero": 2}, {"tp": 2, "cp": 2, "cp_algorithm": "ring", "sequence_parallel": True},
         {"tp": 4},  # tiny has 2 kv heads: tp=4 repeats each on 2 ranks
-        # finalizers (SP norms; the tied embedding over the pipeline ends) defer ZeRO-2/3's reduction
+        # finalizers (SP norms; the tied embedding over the pipeline ends) defer their gradients' ZeRO-2/3 reduction
         {"dp": 2, "tp": 2, "zero": 2, "sequence_parallel": True, "grad_accum": 2},
         {"pp": 2, "dp": 2, "zero": 2, "grad_accum": 2, "model.tied_embeddings": "true"},
         {"pp": 2, "tp": 2, "grad_accum": 2, "model.tied_embeddings": "true"},
@@ -142,7 +142,7 @@ CASES = [
         {"dp": 2, "cp": 2, "ep": 2}, {"dp": 2, "cp": 2, "ep": 2, "model.dropless": "false"},
         {"cp": 2, "pp": 2, "grad_accum": 2, "cp_algorithm": "allgather", "model.dropless": "false",
          "recompute": "full"},
-        # router gradients summed over tp: ZeRO-2/3 reduce once per step and hold full gradients
+        # router gradients summed over tp: ZeRO-2/3 reduce them once per step and hold them full
         {"dp": 2, "ep": 2, "tp": 2, "zero": 2, "grad_accum": 2},
         {"dp": 2, "ep": 2, "tp": 2, "zero": 3, "grad_accum": 2},
     )),

@@ -52,6 +52,7 @@ from ..model.llama import Block, Transformer
 from ..model.moe import MoE
 from ..step import MicroBatch
 from . import comm
+from .protocols import ParamFinalizer
 
 
 # ----------------------------------------------------------------------------- sequence layout (pure)
@@ -545,7 +546,7 @@ def _install_moe_hooks(moe: MoE, mesh: Mesh, algorithm: str, local_len: int) -> 
 CORES = {"allgather": AllGatherKVCore, "ring": RingAttentionCore, "ulysses": UlyssesCore}
 
 
-def apply_context_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
+def apply_context_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[ParamFinalizer]:
     """Swap every attention core for the distributed one; make MoE statistics span the sequence."""
     algorithm = config.layout.cp_algorithm
     if algorithm not in CORES:

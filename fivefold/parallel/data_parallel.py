@@ -305,7 +305,7 @@ class BucketReducer:
 
     `launch(bucket) -> Pending` starts the collective; `on_complete(bucket)` (optional) runs
     on every completion, also inside no_sync (ZeRO-3 frees gathered parameters there);
-    while `defer()` is true, launches wait for `finish()`.
+    a bucket for which `defer(bucket)` is true is launched by `finish()` only.
     Launches follow bucket order per axis and group, so all ranks issue collectives identically.
 
     `per_backward` (ZeRO-2/3): every backward is reduced, inside no_sync too. At the end of a
@@ -320,12 +320,12 @@ class BucketReducer:
         buckets: list[FlatBucket],
         launch: Callable[[FlatBucket], Pending],
         on_complete: Callable[[FlatBucket], None] | None = None,
-        defer: Callable[[], bool] = lambda: False,
+        defer: Callable[[FlatBucket], bool] = lambda _bucket: False,
         per_backward: bool = False,
     ) -> None:
         self.buckets, self.launch, self.on_complete = buckets, launch, on_complete
         self.syncing = True
-        self.defer = defer  # True: reduce only in finish() (ZeRO-2/3 when grad finalizers must run first)
+        self.defer = defer  # True: reduce the bucket only in finish() (ZeRO, when grad finalizers must run first)
         self.per_backward = per_backward
         self.pending: list[Pending] = []
         self.touched: set[int] = set()  # groups whose gradients this backward produced (per_backward)
@@ -337,7 +337,7 @@ class BucketReducer:
     def _reset(self) -> None:
         self.ready = [0] * len(self.buckets)
         self.launched = [False] * len(self.buckets)
-        self.next_by_axis: dict[tuple[str, int], list[int]] = {}
+        self.next_by_axis: dict[tuple[str, int, bool], list[int]] = {}
         for bucket in self.buckets:
             self.next_by_axis.setdefault(_queue_key(bucket), []).append(bucket.index)
 
@@ -353,7 +353,7 @@ class BucketReducer:
                 if param.grad.data_ptr() != view.data_ptr():  # the step's first gradient, or a replaced .grad
                     view.copy_(param.grad)
                     param.grad = view
-            reducing = not self.defer() and (self.syncing or self.per_backward)
+            reducing = not self.defer(bucket) and (self.syncing or self.per_backward)
             if reducing and self.per_backward:
                 self._join_round(bucket)
             self.ready[bucket.index] += 1
@@ -372,10 +372,11 @@ class BucketReducer:
         self.touched.add(bucket.extra.get("group", 0))
 
     def _end_of_backward(self) -> None:
-        """Launch the touched groups' remaining buckets (in order), wait, start a new round."""
+        """Launch the touched groups' remaining buckets (in order; not the deferred), wait, start a new round."""
         for bucket in self.buckets:
             if bucket.extra.get("group", 0) in self.touched and not self.launched[bucket.index]:
-                self._mark_complete(bucket)
+                if not self.defer(bucket):
+                    self._mark_complete(bucket)
         self._wait_all()
         self.touched.clear()
 
@@ -392,12 +393,11 @@ class BucketReducer:
     def finish(self) -> None:
         """Launch what backward did not complete (unused parameters, deferral), wait for all.
 
-        In per_backward mode every backward has already been reduced, unless deferred.
+        In per_backward mode every backward has already been reduced, but the deferred buckets.
         """
-        if not self.per_backward or self.defer():
-            for bucket in self.buckets:
-                if not self.launched[bucket.index]:
-                    self._launch(bucket)
+        for bucket in self.buckets:
+            if not self.launched[bucket.index] and (not self.per_backward or self.defer(bucket)):
+                self._launch(bucket)
         self._wait_all()
 
     def _wait_all(self) -> None:
@@ -417,8 +417,9 @@ class BucketReducer:
             self.syncing = previous
 
 
-def _queue_key(bucket: FlatBucket) -> tuple[str, int]:
-    return bucket.axis.name, bucket.extra.get("group", 0)
+def _queue_key(bucket: FlatBucket) -> tuple[str, int, bool]:
+    # Deferred buckets (zero.py) queue apart: they launch in finish(), never ahead of the others.
+    return bucket.axis.name, bucket.extra.get("group", 0), bucket.extra.get("deferred", False)
 
 
 # ----------------------------------------------------------------------------- the update

@@ -35,7 +35,7 @@ The dispatcher also works with ep = 1, so the same code path serves TP-only MoE 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -45,6 +45,7 @@ from ..mesh import Axis, Mesh
 from ..model.llama import Transformer
 from ..model.moe import scatter_rows, sort_slots_by_expert
 from . import comm
+from .protocols import ParamFinalizer
 from .sharding import Placement, Split, get_placement, set_placement
 
 # ----------------------------------------------------------------------------- pure index functions
@@ -152,7 +153,7 @@ def _shard_expert_weight(owner: nn.Module, attr: str, name: str, mesh: Mesh) -> 
     return placement
 
 
-def apply_expert_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[Callable[[], None]]:
+def apply_expert_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[ParamFinalizer]:
     """Shard every MoE layer's experts over mesh.ep and swap in the all-to-all dispatcher.
 
     Runs on the meta-device model, after tensor parallel and before materialisation. Expert

@@ -71,6 +71,7 @@ from ..stages import stage_layer_counts as split_counts
 from ..stages import stage_layer_ids as split_ids
 from . import comm
 from .deferred import PendingWeightGrad, deferred_linear, weight_grad
+from .protocols import ParamFinalizer
 from .schedules import Action, ActionKind, build_schedule, group_steps, stage_of
 from ..step import autocast_for, sequence_scale, token_scale
 from .sharding import get_placement, set_placement
@@ -134,8 +135,10 @@ def mark_tied_copies(chunks: list[Transformer], model: ModelConfig) -> None:
         set_placement(param, replace(placement, name="embed.weight", replicated_over=over))
 
 
-def tied_gradient_finalizer(chunks: list[Transformer], mesh: Mesh, model: ModelConfig):
-    """Sum the gradients of the two tied copies over the first and last pipeline ranks."""
+def tied_gradient_finalizer(chunks: list[Transformer], mesh: Mesh, model: ModelConfig) -> ParamFinalizer | None:
+    """Sum the gradients of the two tied copies over the first and last pipeline ranks.
+
+    Built once the chunks are materialised (it holds their parameters)."""
     copies = tied_copies(chunks, model)
     if not copies or mesh[TIED_AXIS].size == 1:
         return None
@@ -146,7 +149,7 @@ def tied_gradient_finalizer(chunks: list[Transformer], mesh: Mesh, model: ModelC
                 param.grad = torch.zeros_like(param)
             comm.all_reduce(param.grad, mesh[TIED_AXIS])
 
-    return finalize
+    return ParamFinalizer(finalize, lambda: list(copies))
 
 
 # ------------------------------------------------------------------ deferred weight gradients

@@ -18,7 +18,8 @@ optimizer with getattr or hasattr.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -26,6 +27,24 @@ from ..held_memory import HoldsTensors
 from .sharding import Placement, ShardSpec
 
 GradFinalizer = Callable[[], None]  # completes local gradients (sums over tp, tied embeddings over pp)
+
+
+@dataclass(frozen=True)
+class ParamFinalizer:
+    """A gradient finalizer that names the parameters whose .grad it reads and writes.
+
+    ZeRO-2/3 keep only those gradients full until the finalizer has run (in buckets of their
+    own); every other gradient is reduce-scattered, and dropped, during the backward. The
+    parameters are looked up when asked (`params()`), not held: materialisation replaces the
+    meta parameters after the strategies have named them.
+    """
+
+    run: Callable[[], None]
+    params: Callable[[], Sequence[torch.Tensor]]  # the parameters
+
+    def __call__(self) -> None:
+        self.run()
+
 
 # {parameter name: {state key ("exp_avg", "exp_avg_sq", "param"): (this rank's tensor, where it sits)}}
 ShardedState = dict[str, dict[str, tuple[torch.Tensor, Placement | ShardSpec]]]
@@ -42,6 +61,9 @@ class GradientSynchroniser(HoldsTensors, Protocol):
 
     `grad_finalizers` run once per step on the complete local gradients, in registration
     order; they are linear sums over other axes, so they commute with the data-parallel sum.
+    A ZeRO synchroniser is told its `ParamFinalizer`s when it is built (it buckets their
+    parameters apart); a finalizer appended to the list afterwards names nothing, so ZeRO-2/3
+    then keep every gradient full until the end of the step.
     `held_tensors` gives the parameter and gradient storage the synchroniser owns ("params",
     "grads"); `padding_bytes` the padding of every kind its shard geometry adds.
     """

@@ -23,7 +23,8 @@ optimizer's `finish_grad_sync`, once per step): the norm weights under sequence 
 experts' output), and key/value heads that several tp ranks hold when tp exceeds the
 number of kv heads (each copy saw only its rank's query heads). A finalizer reads and
 writes `p.grad`, so an optimizer must run them while `p.grad` holds this rank's gradient --
-before or after its own data-parallel reduction, since the two sums commute. Every sharded
+before or after its own data-parallel reduction, since the two sums commute. Each names its
+parameters (`ParamFinalizer`): ZeRO-2/3 keep only those gradients full until it has run. Every sharded
 parameter records its `Placement` (tp dropped from `replicated_over`, dp_cp kept; repeated
 kv heads carry `extra["repeat"] = {"tp": tp / kv}`), so data parallel and ZeRO shard and
 reduce them like any other parameter, and the grad norm counts each element once.
@@ -72,12 +73,12 @@ from ..model import MoE, Transformer
 from ..volumes import padded_vocab
 from . import comm
 from .deferred import PendingWeightGrad, deferred_linear, weight_grad
+from .protocols import ParamFinalizer
 from .sharding import Placement, Split, get_placement, set_placement
 
 SEQ_DIM = 1  # activations are (B, T, C): sequence parallel splits T
 
 Style = str | tuple[str, ...]
-Finalizer = Callable[[], None]
 ParamRef = tuple[nn.Module, str]
 
 
@@ -578,7 +579,7 @@ STYLES: dict[str, Callable[[_Applier, str, nn.Module], None]] = {
 
 
 def apply_plan(model: nn.Module, plan: dict[str, Style], axis: Axis, config: ModelConfig,
-               sequence_parallel: bool, overlap: bool = False) -> list[Finalizer]:
+               sequence_parallel: bool, overlap: bool = False) -> list[ParamFinalizer]:
     """Apply `plan` (module name -> style) to `model` in place; return the gradient finalizers.
 
     A region is styled before its column layers (plan order), so they find its entry.
@@ -592,7 +593,7 @@ def apply_plan(model: nn.Module, plan: dict[str, Style], axis: Axis, config: Mod
     return _finalizers(app)
 
 
-def apply_tensor_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[Finalizer]:
+def apply_tensor_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> list[ParamFinalizer]:
     """Tensor (and sequence) parallelism for one model chunk, built on the meta device."""
     layout = config.layout
     return apply_plan(chunk, tensor_parallel_plan(chunk), mesh.tp, config.model, layout.sequence_parallel,
@@ -602,13 +603,15 @@ def apply_tensor_parallel(chunk: Transformer, mesh: Mesh, config: Config) -> lis
 # ----------------------------------------------------------------------------- gradient finalizers
 
 
-def _finalizers(app: _Applier) -> list[Finalizer]:
-    out: list[Finalizer] = []
+def _finalizers(app: _Applier) -> list[ParamFinalizer]:
+    out: list[ParamFinalizer] = []
     axis = app.axis
     if app.sum_over_tp:
-        out.append(partial(_sum_over_axis, list(app.sum_over_tp), axis))
-    for repeat, refs in app.repeated.items():
-        out.append(partial(_sum_over_repeats, list(refs), axis, repeat))
+        refs = list(app.sum_over_tp)
+        out.append(ParamFinalizer(partial(_sum_over_axis, refs, axis), partial(_resolve, refs)))
+    for repeat, copies in app.repeated.items():
+        refs = list(copies)
+        out.append(ParamFinalizer(partial(_sum_over_repeats, refs, axis, repeat), partial(_resolve, refs)))
     return out
 
 

@@ -13,7 +13,8 @@ before it first reads it (GathersInFlight), and every other reader of parameters
 - Stage 2: gradients are produced by autograd per parameter; when a bucket is complete they
   are packed, reduce-scattered and dropped, and the result is added to this rank's sharded
   gradient buffer. This happens for every backward, micro-batches of an accumulated step
-  included, so a rank never holds more than one backward's full gradients.
+  included, so a rank never holds more than one backward's full gradients (but those of the
+  parameters gradient finalizers read, see below).
 - Stage 3: parameters are sharded too. Each transformer block, plus the rest of a chunk
   (embedding, final norm, head) as its "root" unit, is gathered before its forward and
   freed after it, gathered again when the gradient reaches its output, and freed once all
@@ -36,19 +37,27 @@ Gradient accumulation: stage 1 accumulates whole gradients in its flat buffers i
 planner, like DeepSpeed, assumes the same), so their communication grows with the number
 of micro-batches while their memory stays sharded.
 
-Gradient finalizers (e.g. summing sequence-parallel norm gradients over tp, tied embeddings
-over pp) are linear sums over other axes, so they commute with the data-parallel sum. Every
-ZeRO stage reduce-scatters a copy of the full local .grad, so when finalizers are registered
-the reductions wait for finish_grad_sync, which runs the finalizers first (correct, without
-overlap, and stages 2-3 then hold full gradients until the end of the step; plain data
-parallel runs them after its all-reduce, on the .grad views).
+Gradient finalizers (summing sequence-parallel norm weights, MoE routers and kv heads shared
+by tp ranks over tp; the tied embedding over the pipeline ends) complete a parameter's local
+gradient with partial gradients held on other ranks, so they need its full local .grad, once
+per step. Each finalizer names its parameters (`ParamFinalizer`), and those parameters get
+buckets of their own ("deferred", built the same way on every rank, `split_finalized`): they
+keep their full .grad, accumulated over the micro-batches, until finish_grad_sync runs the
+finalizers and then reduce-scatters them, once per step. Every other bucket is reduced during
+each backward as without finalizers, so only the finalized parameters' gradients (norm
+weights and routers: a few thousand elements per layer; a tied embedding) are held full. The
+finalizers are linear sums over other axes and commute with the data-parallel sum; running
+them before it keeps them independent of the shard layout, which differs between the two
+pipeline stages holding a tied embedding. A finalizer added to `grad_finalizers` after
+construction names no parameters: every bucket is then deferred (plain data parallel runs its
+finalizers after its all-reduce, on the .grad views).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import AbstractSet, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -71,7 +80,7 @@ from .data_parallel import (
     trainable,
 )
 from .optim import AdamWSettings
-from .protocols import GradFinalizer
+from .protocols import GradFinalizer, ParamFinalizer
 
 
 class ZeroAdamW(FlatAdamW):
@@ -83,9 +92,10 @@ class ZeroAdamW(FlatAdamW):
     sync: ZeroGradientSync
 
     def __init__(
-        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0
+        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0,
+        finalizers: Sequence[ParamFinalizer] = (),
     ) -> None:
-        super().__init__(ZeroGradientSync(chunks, mesh, settings, stage, bucket_mb), mesh, settings)
+        super().__init__(ZeroGradientSync(chunks, mesh, settings, stage, bucket_mb, finalizers), mesh, settings)
 
 
 class ZeroGradientSync:
@@ -100,19 +110,21 @@ class ZeroGradientSync:
     sharded = True
 
     def __init__(
-        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0
+        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0,
+        finalizers: Sequence[ParamFinalizer] = (),
     ) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage} does not exist; use 1, 2 or 3 (0 is DataParallelAdamW)")
         self.settings, self.stage = settings, stage
         self.shards_parameters = stage == 3
-        self.units: list[Unit] = build_units(chunks, mesh) if stage == 3 else []
+        finalized = {id(p) for finalize in finalizers for p in finalize.params()}
+        self.units: list[Unit] = build_units(chunks, mesh, finalized) if stage == 3 else []
         if stage == 3:  # backward completes the last unit first
             self.buckets = [b for unit in reversed(self.units) for b in unit.buckets]
             for i, bucket in enumerate(self.buckets):
                 bucket.index = i
         else:
-            self.buckets = plan_chunk_buckets(chunks, mesh, int(bucket_mb * MB))
+            self.buckets = plan_chunk_buckets(chunks, mesh, int(bucket_mb * MB), finalized)
         check_replicas_identical(self.buckets)
         for bucket in self.buckets:
             bucket.flatten_params_()
@@ -131,15 +143,15 @@ class ZeroGradientSync:
         self.scratch = ScratchBuffers()
         self.in_flight: list[Pending] = []
         self.packing: dict[int, tuple[torch.Tensor, set[int]]] = {}  # bucket index -> (buffer, segments packed)
-        self.grad_finalizers: list[GradFinalizer] = []
+        self.grad_finalizers: list[GradFinalizer] = list(finalizers)
+        self.declared_finalizers: list[GradFinalizer] = list(finalizers)  # their parameters are bucketed apart
         self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
         # Stages 1-2: the all-gathers of the updated parameters, waited for by the next forward.
         self.gathers = GathersInFlight(chunks, self.buckets) if stage < 3 else None
-        on_complete = self.gatherer.free_bucket if self.gatherer else None
-        defer = lambda: bool(self.grad_finalizers)  # noqa: E731 (see module docstring)
+        on_complete = self.gatherer.bucket_complete if self.gatherer else None
         if stage >= 2:  # registered first: the reducer's hook may launch the bucket this gradient completes
             self._pack_on_arrival()
-        self.reducer = BucketReducer(self.buckets, self._launch, on_complete, defer, per_backward=stage >= 2)
+        self.reducer = BucketReducer(self.buckets, self._launch, on_complete, self._deferred, per_backward=stage >= 2)
         if self.gatherer:
             self.gatherer.free_all()
 
@@ -156,6 +168,13 @@ class ZeroGradientSync:
         return initial
 
     # ------------------------------------------------------------------ gradient reduction
+
+    def _deferred(self, bucket: FlatBucket) -> bool:
+        """Whether `bucket` is reduced once per step, after the finalizers: it holds parameters a
+        finalizer reads, or a finalizer was added after construction (its parameters unknown)."""
+        return bucket.extra.get("deferred", False) or any(
+            all(f is not known for known in self.declared_finalizers) for f in self.grad_finalizers
+        )
 
     def _launch(self, bucket: FlatBucket) -> Pending:
         i = bucket.index
@@ -184,12 +203,12 @@ class ZeroGradientSync:
     def _packer(self, bucket: FlatBucket, k: int) -> Callable[[torch.Tensor], None]:
         """Stages 2-3: copy each gradient into its bucket's packing buffer as soon as autograd has
         it and drop the .grad (as DeepSpeed's stage 2 does), so a bucket's worth of separate
-        gradients never lives at once. Not while finalizers are registered: they need the full
-        .grad until finish_grad_sync, and the bucket is packed from .grad at launch then."""
+        gradients never lives at once. Not in deferred buckets: finalizers need their full .grad
+        until finish_grad_sync, and such a bucket is packed from .grad at launch then."""
         seg = bucket.segments[k]
 
         def hook(param: torch.Tensor) -> None:
-            if self.grad_finalizers or param.grad is None:
+            if self._deferred(bucket) or param.grad is None:
                 return
             if bucket.index not in self.packing:
                 self.packing[bucket.index] = (self.scratch.take(bucket.numel, bucket.dtype, bucket.device), set())
@@ -266,11 +285,12 @@ class ZeroGradientSync:
         return self.reducer.no_sync()
 
     def finish(self) -> None:
-        # Finalizers (tp sums, tied embeddings) work on the full local .grad, which every stage
-        # hands to its reduce-scatter: they run first, and the reducer defers its launches.
-        if self.stage == 1 and self.grad_finalizers:  # they read every .grad; stage 1's are views
+        # Finalizers (tp sums, tied embeddings) work on the full local .grad of their parameters,
+        # which the deferred buckets still hold: they run first, then those buckets are reduced.
+        if self.stage == 1:  # finalizers write .grad in place; stage 1's must stay views of the buffer
             for bucket in self.buckets:
-                bucket.fill_missing_grads_()
+                if self._deferred(bucket):
+                    bucket.fill_missing_grads_()
         for finalize in self.grad_finalizers:
             finalize()
         self.reducer.finish()
@@ -349,12 +369,14 @@ class ZeroGradientSync:
     def padding_bytes(self) -> dict[str, int]:
         """Bytes of the held tensors that are padding, not parameters."""
         full = sum(b.padding for b in self.buckets)  # elements
-        shard = sum(max(0, hi - max(lo, b.used)) for b, (lo, hi) in zip(self.buckets, self.ranges))
-        grads_held = any(g is not None for g in (self.grad_store if self.stage >= 2 else self.grad_shards))
+        shard_padding = [max(0, hi - max(lo, b.used)) for b, (lo, hi) in zip(self.buckets, self.ranges)]
+        shard = sum(shard_padding)
+        # Stages 2-3: only the shards kept so far (a deferred bucket's is made at the end of the step).
+        held = sum(n for n, g in zip(shard_padding, self.grad_store) if g is not None)
         precision = self.settings.precision
         return {
             "params": (shard if self.stage == 3 else full) * precision.param_bytes,
-            "grads": (full if self.stage == 1 else (shard if grads_held else 0)) * precision.grad_bytes,
+            "grads": (full if self.stage == 1 else held) * precision.grad_bytes,
             "optimizer": shard * precision.optimizer_bytes(),  # Adam's moments (+ the fp32 master)
         }
 
@@ -466,23 +488,43 @@ def _once(step: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-def plan_chunk_buckets(chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int) -> list[FlatBucket]:
+def plan_chunk_buckets(
+    chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int, finalized: AbstractSet[int] = frozenset()
+) -> list[FlatBucket]:
     """Padded buckets that never span model chunks (their "group" is the chunk's index).
 
     Under an interleaved pipeline one backward covers one chunk; stages 2-3 reduce what a
-    backward touched, so each of its buckets must be complete by then.
+    backward touched, so each of its buckets must be complete by then. The parameters a
+    gradient finalizer reads (ids in `finalized`) get deferred buckets of their own, after the
+    chunk's others (see `split_finalized`).
     """
     buckets: list[FlatBucket] = []
     seen: set[int] = set()
     for c, chunk in enumerate(chunks):
         named = [(n, p) for n, p in trainable([chunk]) if id(p) not in seen]
         seen.update(id(p) for _, p in named)
-        for bucket in plan_buckets(named, mesh, bucket_bytes, pad_to_axis=True) if named else []:
-            bucket.extra["group"] = c
-            buckets.append(bucket)
+        for members, deferred in split_finalized(named, finalized):
+            for bucket in plan_buckets(members, mesh, bucket_bytes, pad_to_axis=True):
+                bucket.extra.update(group=c, deferred=deferred)
+                buckets.append(bucket)
     for i, bucket in enumerate(buckets):
         bucket.index = i
     return buckets
+
+
+def split_finalized(
+    named: list[tuple[str, nn.Parameter]], finalized: AbstractSet[int]
+) -> list[tuple[list[tuple[str, nn.Parameter]], bool]]:
+    """[(parameters, deferred)]: those no finalizer reads, then those one does (each part if any).
+
+    Built the same way on every rank, so the buckets match over every data axis. A finalizer
+    needs its parameters' full local gradients at the end of the step; only their buckets wait
+    for it (deferred), every other bucket is reduced, and its full gradients dropped, during
+    each backward.
+    """
+    parts = ([(n, p) for n, p in named if id(p) not in finalized], False), (
+        [(n, p) for n, p in named if id(p) in finalized], True)
+    return [(members, deferred) for members, deferred in parts if members]
 
 
 # ----------------------------------------------------------------------------- stage 3
@@ -501,10 +543,11 @@ class Unit:
     extra: dict = field(default_factory=dict)
 
 
-def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
+def build_units(chunks: list[nn.Module], mesh: Mesh, finalized: AbstractSet[int] = frozenset()) -> list[Unit]:
     """Units in forward order: per chunk its root (embedding, norm, head), then each block.
 
-    A chunk without `layers` is one unit. Each unit has one padded bucket per data axis.
+    A chunk without `layers` is one unit. Each unit has one padded bucket per data axis, and
+    one more per axis for the parameters gradient finalizers read (`split_finalized`).
     The root and the last block are kept gathered from their forward to their backward (as
     FSDP2 keeps its root): the root's forward ends the chunk's forward and its backward starts
     the chunk's backward, right after the last block's forward, so freeing either and gathering
@@ -521,7 +564,8 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
         members = [(f"chunk{c}.root", chunk, root)] if root else []
         for key, block in blocks.items():
             members.append((f"chunk{c}.layers.{key}", block, [(f"layers.{key}.{n}", p) for n, p in trainable([block])]))
-        chunk_units = [Unit(name, module, _unit_buckets(named, mesh, c)) for name, module, named in members if named]
+        chunk_units = [Unit(name, module, _unit_buckets(named, mesh, c, finalized))
+                       for name, module, named in members if named]
         for a, b in zip(chunk_units, chunk_units[1:]):
             a.next_forward, b.next_backward = b, a
         if chunk_units:
@@ -534,12 +578,15 @@ def build_units(chunks: list[nn.Module], mesh: Mesh) -> list[Unit]:
     return units
 
 
-def _unit_buckets(named: list[tuple[str, nn.Parameter]], mesh: Mesh, chunk: int) -> list[FlatBucket]:
+def _unit_buckets(
+    named: list[tuple[str, nn.Parameter]], mesh: Mesh, chunk: int, finalized: AbstractSet[int]
+) -> list[FlatBucket]:
     buckets = []
-    for (axis_name, _, _), members in group_by_axis(named, mesh).items():
-        axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
-        buckets.append(make_bucket(members, axis, axis.size))
-        buckets[-1].extra["group"] = chunk
+    for part, deferred in split_finalized(named, finalized):
+        for (axis_name, _, _), members in group_by_axis(part, mesh).items():
+            axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
+            buckets.append(make_bucket(members, axis, axis.size))
+            buckets[-1].extra.update(group=chunk, deferred=deferred)
     return buckets
 
 
@@ -568,8 +615,8 @@ class ParameterGatherer:
     this one (so the next is queued before this unit computes); after it, free it (unless it
     is kept for its backward) and hang `_GatherBeforeBackward` on its outputs; that backward makes the unit full again the same
     way, with the unit whose backward follows issued ahead. All-gathers write straight into
-    the flat storage the parameters view. The reducer frees each bucket once all its
-    gradients have arrived.
+    the flat storage the parameters view. The reducer reports each bucket whose gradients have
+    all arrived; a unit is freed once all its buckets are.
 
     Freeing moves the storage's memory into a spare (the storage object stays, with size 0,
     so every view and saved tensor keeps it), and a gather moves a spare of the right size
@@ -584,6 +631,8 @@ class ParameterGatherer:
         self.status = {id(b): "full" for b in buckets}
         self.works: dict[int, Any] = {}
         self.spares: list[torch.UntypedStorage] = []  # freed units' memory, oldest first
+        self.unit_of = {id(b): unit for unit in units for b in unit.buckets}
+        self.completed: dict[int, set[int]] = {}  # id of a unit -> ids of its buckets whose gradients are all in
         for unit in units:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
@@ -630,11 +679,26 @@ class ParameterGatherer:
                 return self.spares.pop(j)
         return torch.UntypedStorage(nbytes, device=device)
 
+    def bucket_complete(self, b: FlatBucket) -> None:
+        """All of `b`'s gradients are in: free its unit once every bucket of the unit is complete.
+
+        A unit's buckets are freed together: the root's backward spans the chunk's (head first,
+        embedding last), and freeing the bucket of its finalized parameters (the final norm) at
+        their early gradient would make the prefetch before the embedding's backward gather it again.
+        """
+        unit = self.unit_of[id(b)]
+        done = self.completed.setdefault(id(unit), set())
+        done.add(id(b))
+        if len(done) == len(unit.buckets):
+            del self.completed[id(unit)]
+            self.free_unit(unit)
+
     def free_unit(self, unit: Unit) -> None:
         for b in unit.buckets:
             self.free_bucket(b)
 
     def free_all(self) -> None:
+        self.completed.clear()
         for unit in self.units:
             self.free_unit(unit)
 

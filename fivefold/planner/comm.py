@@ -28,8 +28,8 @@ head repeated when t > kv (`fivefold.volumes.local_kv_heads`). Per axis:
 Full recomputation repeats each forward collective inside the recomputed layers (tp, cp,
 ep); selective recomputation repeats those of the attention core (cp). It adds no ZeRO-3
 parameter gather: a block recomputes inside its own backward, after the gather that backward
-already made. ZeRO-2/3 reduce once per step instead of per micro-batch on ranks that run
-gradient finalizers (`volumes.grads_sharded_in_backward`).
+already made. ZeRO-2/3 reduce the gradients that gradient finalizers complete once per step,
+the others per micro-batch (`volumes.zero_reduction`).
 """
 
 from __future__ import annotations
@@ -159,13 +159,14 @@ def pp_sends(m: ModelSpec, lay: LayoutSpec, ab: int, stage: int, tied_vocab_byte
 
 def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: float,
              ranks_dense: int, ranks_expert: int, kept: tuple[float, float] = (0.0, 0.0),
-             finalizers: bool = False) -> list[Collective]:
+             finalized: float = 0.0) -> list[Collective]:
     """Data-parallel (ZeRO) collectives for ``dense`` and ``expert`` parameters held here.
 
     ``param_b``: bytes per parameter gathered (ZeRO-1/2/3); ``grad_b``: per gradient element
     reduced (the precision policy's reduction dtype); ``kept``: the (non-expert, expert)
-    parameters ZeRO-3 keeps gathered from the forward to the backward; ``finalizers``: the
-    rank runs gradient finalizers (`fivefold.volumes.grads_sharded_in_backward`).
+    parameters ZeRO-3 keeps gathered from the forward to the backward; ``finalized``: the
+    non-expert parameters whose gradients finalizers complete (`fivefold.volumes.zero_reduction`;
+    no expert parameter has one).
     """
     out: list[Collective] = []
     span = lay.tp * lay.cp * lay.dp
@@ -174,8 +175,9 @@ def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: f
                                    ("expert", expert, kept[1], ranks_expert)):
         if n <= 1 or psi == 0:
             continue
+        finalized_bytes = finalized * grad_b if what == "non-expert" else 0.0
         calls = volumes.dp_step_calls(lay.zero, psi * grad_b, psi * param_b, lay.num_micro_batches, gathers,
-                                      psi_kept * param_b, finalizers)
+                                      psi_kept * param_b, finalized_bytes)
         out += [c._replace(what=f"{what} {c.what}") for c in _collectives("dp", calls, n, span)]
     return out
 

@@ -309,20 +309,22 @@ def _params_here(ctx: _Ctx, first: bool, last: bool, n_dense: int, n_moe: int) -
     return dense, expert
 
 
-def _tied_copy_here(m: ModelSpec, lay: LayoutSpec, s: int) -> bool:
-    """Whether stage ``s`` holds one of the two copies of a word embedding tied across the
-    pipeline's first and last stage (summed over them by a gradient finalizer)."""
-    return is_tied(m) and lay.pp > 1 and s in (0, lay.pp - 1)
+def _tied_copy_elements(m: ModelSpec, lay: LayoutSpec, s: int) -> float:
+    """Elements of the copy of a word embedding tied across the pipeline's first and last stage
+    that a rank of stage ``s`` holds (summed over them by a gradient finalizer); 0 elsewhere."""
+    return m.vocab * m.hidden / lay.tp if is_tied(m) and lay.pp > 1 and s in (0, lay.pp - 1) else 0.0
 
 
-def _runs_grad_finalizers(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> bool:
-    """Whether the ranks of stage ``s`` complete gradients by finalizers before the data-parallel
-    reduction: sums of partial gradients over tp (`volumes.tp_step_calls`) or the tied embedding
-    over the pipeline ends. ZeRO-2/3 then reduce once per step and hold full gradients until then."""
+def _finalized_params(ctx: _Ctx, s: int, n_dense: int, n_moe: int) -> float:
+    """Parameters of a rank of stage ``s`` whose gradients finalizers complete before the
+    data-parallel reduction: sums over tp (`volumes.tp_finalized_elements`) and the tied
+    embedding over the pipeline ends. ZeRO-2/3 hold those gradients full and reduce them once
+    per step (`volumes.zero_reduction`)."""
     m, lay = ctx.m, ctx.lay
-    tp_sums = volumes.tp_step_calls(m.hidden, m.head_dim, m.n_kv_heads, lay.tp, m.num_experts, n_dense + n_moe,
-                                    n_moe, lay.sequence_parallel, s == lay.pp - 1, ctx.sb.grad)
-    return bool(tp_sums) or _tied_copy_here(m, lay, s)
+    partial, shared_kv = volumes.tp_finalized_elements(m.hidden, m.head_dim, m.n_kv_heads, lay.tp, m.num_experts,
+                                                       n_dense + n_moe, n_moe, lay.sequence_parallel,
+                                                       s == lay.pp - 1)
+    return partial + shared_kv + _tied_copy_elements(m, lay, s)
 
 
 def _kept_for_backward(ctx: _Ctx, first: bool, last: bool) -> tuple[float, float]:
@@ -360,9 +362,8 @@ def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tup
     """(params, grads, optimizer, buffers) bytes of one device of stage ``s``."""
     lay, sb = ctx.lay, ctx.sb
     dense, expert = _params_here(ctx, s == 0, s == lay.pp - 1, n_dense, n_moe)
-    sharded_grads = volumes.grads_sharded_in_backward(zero, _runs_grad_finalizers(ctx, s, n_dense, n_moe))
-    ms_d = zero_model_states(dense, lay.dp * lay.cp, zero, sb, sharded_grads)
-    ms_e = zero_model_states(expert, lay.dp * lay.cp // lay.ep, zero, sb, sharded_grads)
+    ms_d = zero_model_states(dense, lay.dp * lay.cp, zero, sb, _finalized_params(ctx, s, n_dense, n_moe))
+    ms_e = zero_model_states(expert, lay.dp * lay.cp // lay.ep, zero, sb)  # no expert gradient has a finalizer
     buffers = 0
     if zero == 3 and n_dense + n_moe:
         per = [ctx.costs[k] for k, n in ((False, n_dense), (True, n_moe)) if n]
@@ -462,14 +463,14 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
 
     # ---- communication ----
     dense, expert = _params_here(ctx, first, last, n_dense, n_moe)
-    tied = m.vocab * m.hidden / t * sb.grad if _tied_copy_here(m, lay, s) else 0.0
+    tied = _tied_copy_elements(m, lay, s) * sb.grad
     inner = (tp_layers(m, lay, ab, n_layers * mbs) + tp_ends(m, lay, ab, first, last, mbs)
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
              + cp_layers(m, lay, ab, n_layers * mbs) + cp_moe_layers(m, lay, n_moe * mbs)
              + ep_layers(m, lay, ab, n_moe * mbs) + pp_sends(m, lay, ab, s, tied))
     kept = _kept_for_backward(ctx, first, last) if lay.zero == 3 and n_layers else (0.0, 0.0)
     dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep, kept,
-                  _runs_grad_finalizers(ctx, s, n_dense, n_moe))
+                  _finalized_params(ctx, s, n_dense, n_moe))
     comm_time = {a: 0.0 for a in AXES}
     for c in inner + dp:
         comm_time[c.axis] += c.time(hw)

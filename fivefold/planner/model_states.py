@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from .. import volumes
 from ..precision import PrecisionError, parse_policy
 from .errors import UnknownNameError
 
@@ -53,15 +54,16 @@ class ModelStates(NamedTuple):
     optimizer: int
 
 
-def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, sharded_grads: bool = True) -> ModelStates:
+def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, finalized: float = 0.0) -> ModelStates:
     """Per-device bytes for ``psi`` parameters sharded over ``n`` ranks at ZeRO ``zero``.
 
-    ``sharded_grads=False``: ZeRO-2/3 hold the full gradients until the end of the step, as
-    fivefold does where gradient finalizers run (`fivefold.volumes.grads_sharded_in_backward`).
+    ``finalized`` of the ``psi`` parameters have gradients completed by gradient finalizers:
+    ZeRO-2/3 hold those full until the end of the step (`fivefold.volumes.zero_reduction`).
     """
     shard = lambda nbytes: math.ceil(nbytes / n)  # noqa: E731
     p, g, k = sb.param * psi, sb.grad * psi, sb.optimizer * psi
-    grads = shard(g) if zero >= 2 and sharded_grads else math.ceil(g)
+    full = volumes.held_full_grad_bytes(zero, g, sb.grad * finalized)
+    grads = math.ceil(full) + (shard(g - full) if full < g else 0)
     if zero == 0:
         return ModelStates(math.ceil(p), grads, math.ceil(k))
     if zero in (1, 2):

@@ -14,9 +14,9 @@ builds one rank (or a few) of the layout in this process:
 
 Measured, per rank: parameter, gradient and optimizer bytes by storage (`memory.held_memory`,
 right after the optimizer step, when all three are alive, and at the end of the backward,
-when ZeRO-2/3 may still hold full gradients; the larger of the two), the peak of the bytes
-saved for backward (saved-tensor hooks, each storage counted once while any autograd node
-holds it), and the wire bytes per axis of the step up to and including the optimizer update (what the
+when ZeRO-2/3 still hold the full gradients that gradient finalizers complete; the larger of
+the two), the peak of the bytes saved for backward (saved-tensor hooks, each storage counted
+once while any autograd node holds it), and the wire bytes per axis of the step up to and including the optimizer update (what the
 loop then sends to report the loss and MoE statistics is left out, as the planner leaves it). They are printed beside `planner.estimate` for the same layout.
 
 Values that only data decide are assumed, as the planner assumes them: every expert receives
@@ -332,8 +332,8 @@ def _measure_after_step(model, held: list[HeldMemory], wire: list[dict]) -> None
     Parameters, reduced gradients and the optimizer state are all alive after the step
     (zero_grad may drop gradients afterwards), and the step's traffic is complete: what
     follows only reports (the loss over the world, MoE load statistics), which the planner
-    leaves out. The end of the backward is read too: ZeRO-2/3 hold full gradients until the
-    reduction where gradient finalizers run (see `held_at_peak`).
+    leaves out. The end of the backward is read too: ZeRO-2/3 hold the full gradients that
+    gradient finalizers complete until their reduction at the end of the step (see `held_at_peak`).
     """
     finish, step = model.optimizer.finish_grad_sync, model.optimizer.step
 
