@@ -309,14 +309,15 @@ def run_training(
     with distributed_job(config, run_dir / "flight_records") as (mesh, device):
         lock = claim_run_dir(run_dir, config, mesh, device, overwrite)
         try:
-            record_malloc(run_dir, malloc, mesh)
-            return _train_in(config, run_dir, mesh, device, show_progress)
+            return _train_in(config, run_dir, mesh, device, malloc, show_progress)
         finally:
             if lock is not None:
                 lock.release()
 
 
-def _train_in(config: Config, run_dir: Path, mesh: Mesh, device: torch.device, show_progress: bool) -> list[dict]:
+def _train_in(
+    config: Config, run_dir: Path, mesh: Mesh, device: torch.device, malloc: MallocState, show_progress: bool
+) -> list[dict]:
     torch.manual_seed(config.train.seed)
     data, sampler = load_data(config)
     model = build(config, mesh, device)
@@ -328,6 +329,7 @@ def _train_in(config: Config, run_dir: Path, mesh: Mesh, device: torch.device, s
     log = MetricsLog(run_dir, enabled=is_main)
     if is_main:
         write_json(run_dir / "config.json", config.to_dict())
+    record_malloc(run_dir, malloc, mesh)
     prediction = write_prediction(config, device, run_dir) if is_main else None
     record_hosts(run_dir, is_main)
     try:
