@@ -33,7 +33,8 @@ def _build(config, mesh):
     from fivefold.parallel.optim import AdamWSettings, ReplicatedAdamW
 
     original = parallelize.build_optimizer
-    parallelize.build_optimizer = lambda chunks, m, c: ReplicatedAdamW(list(chunks), m, AdamWSettings.from_train(c.train))
+    parallelize.build_optimizer = lambda chunks, m, c, finalizers=(): ReplicatedAdamW(
+        list(chunks), m, AdamWSettings.from_train(c.train))
     try:
         return parallelize.parallelize(config, mesh)
     finally:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import TrainConfig
+from .volumes import ElementBytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RUNTIME_DTYPES = ("fp32", "bf16")  # what the training runtime implements (fp16 needs loss scaling)
@@ -93,6 +94,20 @@ class PrecisionPolicy:
     @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.compute]
+
+    @property
+    def residual(self) -> str:
+        """The residual stream's dtype: the wider of the parameter and compute dtypes (bf16
+        autocast over fp32 weights keeps it in fp32; bf16 weights make it bf16)."""
+        return self.params if self.param_bytes >= self.compute_bytes else self.compute
+
+    @property
+    def residual_bytes(self) -> int:
+        return DTYPE_BYTES[self.residual]
+
+    def element_bytes(self) -> ElementBytes:
+        """What each kind of activation a collective carries costs per element (`volumes.ElementBytes`)."""
+        return ElementBytes(self.residual_bytes, self.compute_bytes)
 
     def optimizer_bytes(self, optimizer: str = "adam") -> int:
         """K: optimizer state per parameter, fp32 moments plus the fp32 master copy if any."""

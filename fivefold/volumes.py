@@ -36,6 +36,26 @@ class Call(NamedTuple):
     what: str
 
 
+class ElementBytes(NamedTuple):
+    """Bytes per element of the two kinds of activation that collectives carry, under a
+    precision policy (`fivefold.precision.PrecisionPolicy.element_bytes`).
+
+    ``residual``: the residual stream and what is computed from it outside matrix
+    multiplications (the embedding's and the norms' outputs, which the next matmul reads), and
+    the gradients flowing back into them, in the wider of the parameter and compute dtypes.
+    ``compute``: what matrix multiplications produce (attention and MLP outputs, projected
+    keys and values, expert outputs) and its gradients, in the compute dtype. The two are equal
+    in fp32 and with 16-bit parameters; bf16 autocast over fp32 weights keeps the residual
+    stream in fp32 and casts only inside each matmul.
+    """
+
+    residual: int
+    compute: int
+
+
+FP32 = ElementBytes(4, 4)
+
+
 def wire_bytes(op: str, nbytes: int, n: int) -> int:
     """Bytes one rank sends in one call, exactly as `parallel/comm.py` counts them."""
     if op == "send":
@@ -113,8 +133,8 @@ def core_forward_passes(recompute: str) -> int:
 # ----------------------------------------------------------------------------- tensor parallel
 
 
-def tp_layer_calls(x_bytes: int, sequence_parallel: bool, forward_passes: int = 1) -> list[Call]:
-    """One transformer layer, one micro-batch: x_bytes is one b x s/c x h activation.
+def tp_layer_calls(x_elems: int, eb: ElementBytes, sequence_parallel: bool, forward_passes: int = 1) -> list[Call]:
+    """One transformer layer, one micro-batch: x_elems is one b x s/c x h activation.
 
     Without sequence parallelism two all-reduces forward (attention and MLP exits) and two
     backward (their entries); with it each becomes an all-gather + reduce-scatter pair
@@ -122,25 +142,32 @@ def tp_layer_calls(x_bytes: int, sequence_parallel: bool, forward_passes: int = 
     The recomputed pass repeats every forward collective but the layer's last (the MLP exit):
     torch's non-reentrant checkpoint stops recomputing once the tensors saved for backward
     are rebuilt, and no saved tensor needs the MLP's output.
+    The exits carry a projection's output, and its gradient comes back through the gather of
+    the output grad: `eb.compute`; the entries carry a norm's output and its gradient: `eb.residual`.
     """
     f = forward_passes
     exits = 2 * f - (f - 1)  # the MLP exit runs once
+    into, out = x_elems * eb.residual, x_elems * eb.compute
     if not sequence_parallel:
-        return [Call("all_reduce", x_bytes, exits, "fwd", "attention/MLP output"),
-                Call("all_reduce", x_bytes, 2, "bwd", "attention/MLP input grad")]
-    return [Call("all_gather", x_bytes, 2 * f, "fwd", "norm output to attention/MLP"),
-            Call("reduce_scatter", x_bytes, exits, "fwd", "attention/MLP output"),
-            Call("reduce_scatter", x_bytes, 2, "bwd", "attention/MLP input grad"),
-            Call("all_gather", x_bytes, 2, "bwd", "output grad")]
+        return [Call("all_reduce", out, exits, "fwd", "attention/MLP output"),
+                Call("all_reduce", into, 2, "bwd", "attention/MLP input grad")]
+    return [Call("all_gather", into, 2 * f, "fwd", "norm output to attention/MLP"),
+            Call("reduce_scatter", out, exits, "fwd", "attention/MLP output"),
+            Call("reduce_scatter", into, 2, "bwd", "attention/MLP input grad"),
+            Call("all_gather", out, 2, "bwd", "output grad")]
 
 
-def tp_end_calls(x_bytes: int, rows: int, sequence_parallel: bool, first: bool, last: bool) -> list[Call]:
+def tp_end_calls(x_elems: int, eb: ElementBytes, rows: int, sequence_parallel: bool, first: bool,
+                 last: bool) -> list[Call]:
     """Vocab-parallel embedding (first stage), head and cross-entropy (last), one micro-batch.
 
-    The loss all-reduces the row maxima (rows fp32 values) and [sum of exp, target logit].
+    The embedding's output and the head's input (the final norm's output) are the residual
+    stream's (`eb.residual`). The loss all-reduces the row maxima (rows fp32 values) and
+    [sum of exp, target logit].
     """
     out: list[Call] = []
     sp = sequence_parallel
+    x_bytes = x_elems * eb.residual
     if first:
         out += ([Call("reduce_scatter", x_bytes, 1, "fwd", "embedding"),
                  Call("all_gather", x_bytes, 1, "bwd", "embedding grad")]
@@ -201,10 +228,10 @@ def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
     if n == 1:
         return {}
     rows = layout.micro_batch * train.seq_len
-    x = rows * model.hidden * fp32
+    x = rows * model.hidden
     sp = layout.sequence_parallel
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.layers))
-    per_mb = tp_layer_calls(x, sp) * model.layers + tp_end_calls(x, rows, sp, True, True)
+    per_mb = tp_layer_calls(x, FP32, sp) * model.layers + tp_end_calls(x, FP32, rows, sp, True, True)
     calls = [c._replace(calls=c.calls * layout.grad_accum) for c in per_mb]
     calls += tp_step_calls(model.hidden, model.head_dim, model.n_kv_heads, n, model.num_experts, model.layers,
                            moe_layers, sp, True, fp32)
@@ -218,7 +245,8 @@ def tp_wire_bytes_per_step(config: Config) -> dict[str, int]:
 def cp_layer_calls(algorithm: str, cp: int, batch: int, local_len: int, heads: int, kv_heads: int,
                    head_dim: int, elem_bytes: int, recompute: str = "none") -> list[Call]:
     """One attention layer, one micro-batch, on a cp rank holding ``heads``/``kv_heads`` heads
-    (after tensor parallelism) of ``local_len`` tokens of ``batch`` sequences.
+    (after tensor parallelism) of ``local_len`` tokens of ``batch`` sequences, whose projected
+    q, k, v have ``elem_bytes`` per element (the compute dtype's).
 
     allgather: all-gather K and V forward, reduce-scatter dK and dV backward;
     ring: cp - 1 hops of the K and of the V block forward, cp - 1 again backward (circulated
@@ -239,15 +267,23 @@ def cp_layer_calls(algorithm: str, cp: int, batch: int, local_len: int, heads: i
         return [Call("all_gather", kv * cp, 2 * core, "fwd", "K, V"),
                 Call("reduce_scatter", kv * cp, 2, "bwd", "dK, dV")]
     if algorithm == "ring":
+        acc = kv * ring_accumulator_bytes(elem_bytes) // elem_bytes
         return [Call("send", kv, 2 * (cp - 1) * core, "fwd", "K, V blocks"),
                 Call("send", kv, 2 * (cp - 1), "bwd", "K, V blocks again"),
-                Call("send", kv, 2 * cp, "bwd", "dK, dV accumulators, home after cp hops")]
+                Call("send", acc, 2 * cp, "bwd", "dK, dV accumulators, home after cp hops")]
     if algorithm == "ulysses":
         q, kv_sent = heads * token, ulysses_kv_heads(cp, kv_heads) * token
         qkv = q + 2 * kv_sent
         return [Call("all_to_all", qkv, core, "fwd", "q, k, v"), Call("all_to_all", q, layer, "fwd", "out"),
                 Call("all_to_all", q, 1, "bwd", "d_out"), Call("all_to_all", qkv, 1, "bwd", "dq, dk, dv")]
     raise ValueError(f"unknown cp algorithm {algorithm!r}")
+
+
+def ring_accumulator_bytes(elem_bytes: int) -> int:
+    """Bytes per element of ring attention's dK/dV accumulators for q, k, v of ``elem_bytes``:
+    it computes and sums its blocks in fp32 (16-bit inputs are cast up where a block is used,
+    `context_parallel._RingAttention`), while K and V circulate in their own dtype."""
+    return max(elem_bytes, 4)
 
 
 def cp_moe_layer_calls(cp: int, segments: int, batch: int, num_experts: int, top_k: int, dropless: bool,
@@ -283,20 +319,26 @@ def analytic_cp_bytes(algorithm: str, cp: int, batch: int, local_len: int, heads
 # ----------------------------------------------------------------------------- expert parallel
 
 
-def ep_layer_calls(routed_bytes: int, num_experts: int, forward_passes: int = 1, count_bytes: int = 8) -> list[Call]:
+def ep_layer_calls(routed_elems: int, eb: ElementBytes, num_experts: int, forward_passes: int = 1,
+                   count_bytes: int = 8) -> list[Call]:
     """One MoE layer, one micro-batch, balanced routing: dispatch and combine all-to-alls of
-    the rank's routed token copies (``routed_bytes``) in each forward pass and once backward;
-    each dispatch first exchanges the slots per expert (``num_experts`` int64 counts).
+    the rank's routed token copies (``routed_elems`` elements) in each forward pass and once
+    backward; each dispatch first exchanges the slots per expert (``num_experts`` int64 counts).
+    The dispatch carries the norm's output (`eb.residual`), the combine the experts' (`eb.compute`);
+    their gradients travel back in the same dtypes.
 
     A recomputed forward (`forward_passes`) exchanges all three again: the combine's output
     is saved by the weighting of the expert outputs that follows it, so torch's checkpoint
     does not stop before it."""
+    dispatch, combine = routed_elems * eb.residual, routed_elems * eb.compute
     return [Call("all_to_all", num_experts * count_bytes, forward_passes, "fwd", "slots per expert"),
-            Call("all_to_all", routed_bytes, 2 * forward_passes, "fwd", "dispatch + combine"),
-            Call("all_to_all", routed_bytes, 2, "bwd", "dispatch + combine grads")]
+            Call("all_to_all", dispatch, forward_passes, "fwd", "dispatch"),
+            Call("all_to_all", combine, forward_passes, "fwd", "combine"),
+            Call("all_to_all", combine, 1, "bwd", "combine grad"),
+            Call("all_to_all", dispatch, 1, "bwd", "dispatch grad")]
 
 
-def all_to_all_wire_bytes(sent: torch.Tensor, rank: int, hidden: int, element_bytes: int, calls: int,
+def all_to_all_wire_bytes(sent: torch.Tensor, rank: int, hidden: int, eb: ElementBytes, calls: int,
                           count_bytes: int = 8, forward_passes: int = 1) -> int:
     """All-to-all bytes one ep rank puts on the wire, forward and backward, for actual routing:
     `ep_layer_calls` with the routed rows counted rather than assumed balanced.
@@ -304,7 +346,8 @@ def all_to_all_wire_bytes(sent: torch.Tensor, rank: int, hidden: int, element_by
     sent (ep, E) tensor: slots each ep rank sent to each global expert (summed over calls).
     Forward dispatch sends this rank's rows for other ranks' experts and combine returns the
     rows it received from others, in each of the ``forward_passes``; backward sends both
-    again in reverse. Each of the ``calls`` dispatches also exchanges its E/ep counts with
+    again in reverse (the combine's gradient back to the experts' ranks, the dispatch's to
+    the tokens' ranks). Each of the ``calls`` dispatches also exchanges its E/ep counts with
     the ep - 1 other ranks in every forward pass.
     """
     ep, E = sent.shape
@@ -312,7 +355,9 @@ def all_to_all_wire_bytes(sent: torch.Tensor, rank: int, hidden: int, element_by
     mine = slice(rank * local, (rank + 1) * local)
     sent_to_others = int(sent[rank].sum() - sent[rank, mine].sum())
     received_from_others = int(sent[:, mine].sum() - sent[rank, mine].sum())
-    tokens = (forward_passes + 1) * (sent_to_others + received_from_others) * hidden * element_bytes
+    dispatched = forward_passes * sent_to_others + received_from_others  # rows of the norm's output, out and back
+    combined = forward_passes * received_from_others + sent_to_others  # rows of the experts' output
+    tokens = (dispatched * eb.residual + combined * eb.compute) * hidden
     return tokens + forward_passes * calls * (ep - 1) * local * count_bytes
 
 

@@ -187,6 +187,19 @@ def test_a_real_benchmark_run_alone_builds_one_case_and_reports_each_rank(tmp_pa
     assert not (tmp_path / "unused.json").exists()  # the process ended after measuring, as the pass expects
 
 
+def test_the_context_parallel_benchmark_builds_its_model_with_the_runtime_it_benchmarks(tmp_path):
+    # bench_cp stands in for parallelize.build_optimizer; a change of that function's arguments
+    # must not leave the benchmark failing only when `bench all` reaches it
+    out = tmp_path / "alone.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{ALONE_ENV: "ring", ALONE_OUT_ENV: str(out)})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(ROOT / "benchmarks" / "bench_cp.py"), "--seq", "64", "--layers", "1",
+               "--out", str(tmp_path / "unused.json")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.read_text())["case"] == "ring"
+
+
 def test_the_median_interval_takes_the_order_statistics_that_cover_the_median_with_the_asked_probability():
     # 3 values: only the whole range, which misses the median when all 3 fall on one side: 2 x 1/8
     assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, pytest.approx(0.75))

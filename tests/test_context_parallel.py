@@ -172,6 +172,41 @@ def test_cores_exact_against_full_attention_with_exact_bytes(pools):
             assert sent == expected, (case, sent, expected)
 
 
+def _ring_in_bf16_and_fp32(ctx):
+    """Ring attention on bf16 q, k, v and on their exact fp32 casts, with an output gradient
+    that bf16 holds exactly: (outputs, input gradients, cp bytes, bytes saved for backward) of each."""
+    from fivefold.parallel.context_parallel import CORES, saved_activation_bytes
+
+    mesh = ctx.mesh(Layout(cp=2, dp=ctx.world_size // 2))
+    gen = torch.Generator().manual_seed(7)
+    B, Hq, Hkv, T, d = 2, 8, 2, 16, 8
+    q, k, v, grad = (torch.randn(B, h, T, d, generator=gen).to(torch.bfloat16) for h in (Hq, Hkv, Hkv, Hq))
+    runs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        inputs = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        mesh.stats.reset()
+        out = CORES["ring"](mesh.cp)(*inputs)
+        out.backward(grad.to(dtype))
+        sent = mesh.stats.axis_bytes("cp")
+        saved = saved_activation_bytes(lambda: CORES["ring"](mesh.cp)(*inputs))
+        runs[dtype] = (out.detach(), [t.grad for t in inputs], sent, saved)
+    return runs, analytic_cp_bytes("ring", 2, B, T, Hq, Hkv, d, elem_bytes=2), q.numel() + 2 * k.numel()
+
+
+def test_ring_attention_circulates_bf16_kv_and_computes_exactly_as_in_fp32(pools):
+    """bf16 inputs: K/V travel in bf16 and are cast up where each block is used (the cast is
+    exact), so output and gradients are the fp32 computation's, rounded once; the dK/dV
+    accumulators travel in fp32 (`volumes.ring_accumulator_bytes`). q, K and V are saved for
+    backward in bf16 (the fp32 output and log-sum-exp as in fp32)."""
+    for runs, expected_bytes, qkv_elements in pools.run(2, _ring_in_bf16_and_fp32):
+        (out16, grads16, sent16, saved16), (out32, grads32, sent32, saved32) = runs[torch.bfloat16], runs[torch.float32]
+        assert out16.dtype == torch.bfloat16 and torch.equal(out16, out32.to(torch.bfloat16))
+        for g16, g32 in zip(grads16, grads32):
+            assert g16.dtype == torch.bfloat16 and torch.equal(g16, g32.to(torch.bfloat16))
+        assert sent16 == expected_bytes < sent32, (sent16, expected_bytes, sent32)
+        assert saved16 == saved32 - 2 * qkv_elements, (saved16, saved32)
+
+
 # ----------------------------------------------------------------------------- training parity
 
 

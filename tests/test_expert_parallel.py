@@ -111,7 +111,7 @@ def _train_with_ep(ctx, configs, steps):
 
 def _check_accounting(config, per_rank) -> None:
     """Measured ep all-to-all bytes of every rank == the analytic volume of the routing counts."""
-    from fivefold.volumes import all_to_all_wire_bytes
+    from fivefold.volumes import FP32, all_to_all_wire_bytes
 
     layout = validate(config).layout
     hidden = config.model.hidden
@@ -120,7 +120,7 @@ def _check_accounting(config, per_rank) -> None:
             sent = torch.stack([per_rank[r][1][layer][0] for r in group])  # (ep, E)
             calls = per_rank[group[0]][1][layer][1]
             for i, r in enumerate(group):
-                per_rank[r][1][layer] = all_to_all_wire_bytes(sent, i, hidden, 4, calls)
+                per_rank[r][1][layer] = all_to_all_wire_bytes(sent, i, hidden, FP32, calls)
     for rank, (_, analytic, measured, n_layers) in enumerate(per_rank):
         assert n_layers == config.model.layers
         assert measured == sum(analytic.values()), (rank, measured, analytic)

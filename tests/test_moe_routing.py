@@ -14,7 +14,7 @@ from fivefold.parallel.expert_parallel import (
     regroup_by_local_expert,
     unpermute,
 )
-from fivefold.volumes import all_to_all_wire_bytes
+from fivefold.volumes import FP32, all_to_all_wire_bytes
 
 
 def _random_routing(gen: torch.Generator, slots: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +95,8 @@ def test_unpermute_undoes_a_gather():
 def test_analytic_all_to_all_bytes():
     sent = torch.tensor([[3, 1, 2, 0], [0, 4, 1, 1]])  # ep=2, E=4: rank 0 owns experts 0,1
     # rank 0 sends 2 rows to rank 1 and receives 0 + 4 = 4 rows from rank 1
-    assert all_to_all_wire_bytes(sent, 0, hidden=8, element_bytes=4, calls=3) == 2 * (2 + 4) * 32 + 3 * 2 * 8
-    assert all_to_all_wire_bytes(sent, 1, hidden=8, element_bytes=4, calls=3) == 2 * (4 + 2) * 32 + 3 * 2 * 8
+    assert all_to_all_wire_bytes(sent, 0, hidden=8, eb=FP32, calls=3) == 2 * (2 + 4) * 32 + 3 * 2 * 8
+    assert all_to_all_wire_bytes(sent, 1, hidden=8, eb=FP32, calls=3) == 2 * (4 + 2) * 32 + 3 * 2 * 8
 
 
 def test_expert_kernels_agree():

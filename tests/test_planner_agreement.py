@@ -15,9 +15,9 @@ pipeline ends) full until the end of the step, the others sharded.
 
 Expert parallelism's all-to-all volume depends on the actual routing, which the planner
 assumes balanced: there the runtime's number of all-to-alls equals the planner's, and its
-bytes equal the planner's calls applied to the routing it really had. These runs are fp32
-but one (bf16 autocast under cp); bf16 data parallelism and ZeRO with fp32 master weights are
-checked the same way in test_precision.py.
+bytes equal the planner's calls applied to the routing it really had. Most runs are fp32; the
+bf16 ones check which activations travel in which dtype (`fivefold.volumes.ElementBytes`);
+bf16 data parallelism and ZeRO with fp32 master weights are checked in test_precision.py too.
 """
 
 from __future__ import annotations
@@ -87,10 +87,11 @@ def _routed_ep_bytes(config, per_rank: list[RankStep], rank: int) -> int:
     from fivefold.volumes import all_to_all_wire_bytes, forward_passes
 
     (group,) = [g for g in group_ranks(config.layout, "ep") if rank in g]
+    element_bytes = PrecisionPolicy.from_train(config.train).element_bytes()
     total = 0
     for layer, (_, dispatches) in per_rank[rank].routing.items():
         sent = torch.stack([per_rank[r].routing[layer][0] for r in group])  # (ep, E)
-        total += all_to_all_wire_bytes(sent, group.index(rank), config.model.hidden, 4, dispatches,
+        total += all_to_all_wire_bytes(sent, group.index(rank), config.model.hidden, element_bytes, dispatches,
                                        forward_passes=forward_passes(config.layout.recompute))
     return total
 
@@ -145,6 +146,22 @@ CASES = [
         # router gradients summed over tp: ZeRO-2/3 reduce them once per step and hold them full
         {"dp": 2, "ep": 2, "tp": 2, "zero": 2, "grad_accum": 2},
         {"dp": 2, "ep": 2, "tp": 2, "zero": 3, "grad_accum": 2},
+    )),
+    # bf16 autocast over fp32 weights: the residual stream (embedding and norm outputs, what the
+    # pipeline sends, the MoE dispatch) stays fp32, matmul outputs are bf16; ring attention's
+    # dK/dV accumulators are fp32
+    *(_case(preset, world, **lay, **{"train.dtype": "bf16"}) for preset, world, lay in (
+        ("tiny", 2, {"tp": 2}), ("tiny", 2, {"tp": 2, "sequence_parallel": True}),
+        ("tiny", 2, {"tp": 2, "sequence_parallel": True, "tp_overlap": True}),
+        ("tiny", 2, {"tp": 2, "recompute": "full"}), ("tiny", 2, {"pp": 2, "grad_accum": 2}),
+        ("tiny", 2, {"cp": 2, "cp_algorithm": "ring"}), ("tiny", 2, {"cp": 2, "cp_algorithm": "allgather"}),
+        ("tiny", 2, {"dp": 2, "zero": 3}), ("tiny-moe", 2, {"dp": 2, "ep": 2}),
+        ("tiny-moe", 4, {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
+    )),
+    # bf16 weights: every activation in bf16 but ring attention's accumulators
+    *(_case(preset, world, **lay, **{"train.dtype": "bf16", "train.param_dtype": "bf16"}) for preset, world, lay in (
+        ("tiny", 2, {"tp": 2, "sequence_parallel": True}), ("tiny", 2, {"pp": 2, "grad_accum": 2}),
+        ("tiny", 2, {"cp": 2, "cp_algorithm": "ring"}), ("tiny-moe", 2, {"dp": 2, "ep": 2}),
     )),
 ]
 

@@ -261,21 +261,28 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal ring attention over zigzag segments; q (B, Hq, T, d), k, v (B, Hkv, T, d) local."""
+    """Causal ring attention over zigzag segments; q (B, Hq, T, d), k, v (B, Hkv, T, d) local.
+
+    The blocks are computed and merged in fp32 (16-bit inputs are cast up), but K/V circulate
+    in their own dtype and each block is cast up where it is used: the cast is exact, so this
+    halves a 16-bit ring's traffic and its saved K/V without changing a value. q is saved in
+    its own dtype too and cast up again in backward; the output (which the backward reads) and
+    the dK/dV accumulators are fp32.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, axis: Axis, documents: torch.Tensor | None = None):
-        dtype = _compute_dtype(q)
-        q32, kv = q.to(dtype), torch.cat([k, v], dim=1).to(dtype).contiguous()  # (B, 2Hkv, T, d)
+        kv = torch.cat([k, v], dim=1).contiguous()  # (B, 2Hkv, T, d), in k's dtype
         with _autocast_off(q.device.type):
-            out, lse = _ring_forward(q32, kv, axis, documents)
+            out, lse = _ring_forward(q.to(_compute_dtype(q)), kv, axis, documents)
         ctx.axis, ctx.documents = axis, documents
-        ctx.save_for_backward(q32, kv, out, lse)
+        ctx.save_for_backward(q, kv, out, lse)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, kv, out, lse = ctx.saved_tensors
+        q = q.to(out.dtype)
         with _autocast_off(q.device.type):
             dq, dkv = _ring_backward(q, kv, out, lse, grad_out.to(q.dtype), ctx.axis, ctx.documents)
         Hkv = kv.shape[1] // 2
@@ -322,7 +329,8 @@ def _ring_forward(
         incoming, works = _exchange(axis, current, "ring_kv") if step < n - 1 else (current, [])
         rows, cols, causal, mask, skip = _ring_block(documents, (r - step) % n, r, n, T)
         if not skip:  # a block wholly in other documents contributes nothing: not computed
-            k, v = current[:, :Hkv, cols], current[:, Hkv:, cols]
+            block = current[:, :, cols].to(q.dtype)
+            k, v = block[:, :Hkv], block[:, Hkv:]
             block_out, block_lse = block_forward(q[:, :, rows], k, v, causal, mask)
             merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         _wait(works)
@@ -348,10 +356,11 @@ def _ring_backward(
     for step in range(n):
         incoming, kv_works = _exchange(axis, current, "ring_kv") if step < n - 1 else (current, [])
         rows, cols, causal, mask, skip = _ring_block(documents, (r - step) % n, r, n, T)
-        contribution = torch.zeros_like(kv)
+        contribution = torch.zeros_like(kv, dtype=q.dtype)  # (B, 2Hkv, T, d) in the compute dtype
         if not skip:
+            block = current[:, :, cols].to(q.dtype)
             dq_b, dk_b, dv_b = block_backward(
-                q[:, :, rows], current[:, :Hkv, cols], current[:, Hkv:, cols],
+                q[:, :, rows], block[:, :Hkv], block[:, Hkv:],
                 grad_out[:, :, rows].contiguous(), out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(),
                 causal, mask,
             )

@@ -66,11 +66,13 @@ from torch.overrides import TorchFunctionMode
 from ..config import Config, ModelConfig
 from ..mesh import Mesh
 from ..model import Transformer
+from ..precision import PrecisionPolicy
 from ..stages import balanced_counts, head_cost, layer_cost  # noqa: F401  (the split lives in stages.py)
 from ..stages import stage_layer_counts as split_counts
 from ..stages import stage_layer_ids as split_ids
 from . import comm
 from .deferred import PendingWeightGrad, deferred_linear, weight_grad
+from .optim import TORCH_DTYPES
 from .protocols import ParamFinalizer
 from .schedules import Action, ActionKind, build_schedule, group_steps, stage_of
 from ..step import autocast_for, sequence_scale, token_scale
@@ -418,7 +420,9 @@ class PipelineRunner:
         self.steps = group_steps(row)
         self.eval_steps = group_steps(forward_only(row))
         self.synced = _synced_actions(row)
-        self.boundary_dtype = torch.float32  # the residual stream stays fp32 under autocast
+        # What stages exchange is the residual stream: fp32 under autocast over fp32 weights,
+        # bf16 with bf16 weights (as in the single process, which never widens it)
+        self.boundary_dtype = TORCH_DTYPES[PrecisionPolicy.from_train(config.train).residual]
         self.sp_factor = layout.tp if layout.sequence_parallel else 1
         self.recvs_ahead = RECVS_AHEAD if _one_handle_per_operation(mesh.pp.group) else 0
         self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]

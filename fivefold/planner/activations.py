@@ -57,8 +57,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..precision import DTYPE_BYTES, PrecisionError, parse_policy
-from ..volumes import local_kv_heads, ulysses_kv_heads, vocab_rows_per_rank
+from ..precision import PrecisionError, parse_policy
+from ..volumes import ElementBytes, local_kv_heads, ulysses_kv_heads, vocab_rows_per_rank
 from .errors import UnknownNameError, choices
 from .spec import LayoutSpec, ModelSpec
 
@@ -74,10 +74,10 @@ class SavedTensor(NamedTuple):
         return self.elements * self.bytes_per_element
 
 
-def activation_dtype_bytes(precision: str) -> int:
-    """Bytes of the compute dtype of a precision policy (fivefold.precision): 2 for bf16/fp16, 4 for fp32."""
+def activation_element_bytes(precision: str) -> ElementBytes:
+    """Bytes per element of the residual stream and of matmul outputs under a precision policy."""
     try:
-        return parse_policy(precision).compute_bytes
+        return parse_policy(precision).element_bytes()
     except PrecisionError as err:
         raise UnknownNameError(str(err)) from None
 
@@ -94,17 +94,12 @@ class _Dims(NamedTuple):
     casts: bool   # autocast over wider weights: each linear saves its own cast of input and weight
 
 
-def _residual_bytes(precision: str) -> int:
-    policy = parse_policy(precision)
-    return max(policy.compute_bytes, DTYPE_BYTES[policy.params])
-
-
 def _dims(m: ModelSpec, lay: LayoutSpec, precision: str) -> _Dims:
     b, s, t, c = lay.micro_batch, m.seq_len, lay.tp, lay.cp
     rows = b * s // c
     nrows = rows // t if lay.sequence_parallel else rows
     kv_rows = b * s if (c > 1 and lay.cp_kind == "allgather") else rows
-    ab, rb = activation_dtype_bytes(precision), _residual_bytes(precision)
+    rb, ab = activation_element_bytes(precision)
     return _Dims(b, s, rows, nrows, kv_rows, t, ab, rb, rb != ab)
 
 
@@ -235,6 +230,10 @@ def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTenso
             SavedTensor("sdpa.logsumexp", x.rows * qh, 4)]
     if lay.cp > 1 and lay.cp_kind == "allgather":  # the causal mask of local queries x all keys
         out.append(SavedTensor("sdpa.mask", x.rows * x.s, 1))
+    if lay.cp > 1 and lay.cp_kind == "ring" and ab != 4:
+        # ring attention merges its blocks in fp32 and keeps that output for its backward; the
+        # output projection reads a compute-dtype cast of it (counted above)
+        out.append(SavedTensor("ring.out_fp32", x.rows * qh * d, 4))
     if lay.cp > 1 and lay.cp_kind == "ulysses":
         # q, k and v are views of the all-to-all's q|k|v buffer (counted above); the output
         # comes back through an all-to-all, so the output projection's input is a storage of its own

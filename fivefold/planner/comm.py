@@ -9,8 +9,11 @@ fivefold's rank order (tp fastest, then cp, dp, pp: a group of size n and stride
 n r consecutive ranks) and the inter-node bandwidth otherwise.
 
 Sizes: b sequences per micro-batch, s/c tokens per context rank, h hidden, X = b s h / c
-activation elements of the dtype; key/value heads per tensor-parallel rank are kv/t, or one
-head repeated when t > kv (`fivefold.volumes.local_kv_heads`). Per axis:
+activation elements, each of the residual stream's dtype or of the compute dtype depending on
+what the collective carries (`fivefold.volumes.ElementBytes`: under bf16 autocast over fp32
+weights the residual stream, and so the pipeline's sends, stays fp32); key/value heads per
+tensor-parallel rank are kv/t, or one head repeated when t > kv
+(`fivefold.volumes.local_kv_heads`). Per axis:
 
 * tp, per layer and micro-batch: `volumes.tp_layer_calls`; embedding, head and loss:
   `volumes.tp_end_calls`; once per step, gradients partial over tp: `volumes.tp_step_calls`.
@@ -38,7 +41,7 @@ from typing import NamedTuple
 
 from .. import volumes
 from ..layout import sequence_segments
-from ..volumes import Call, local_kv_heads, ring_factor, ring_steps
+from ..volumes import Call, ElementBytes, local_kv_heads, ring_factor, ring_steps
 from .hardware import Hardware
 from .spec import LayoutSpec, ModelSpec
 
@@ -89,20 +92,20 @@ def _forward_passes(lay: LayoutSpec) -> int:
     return volumes.forward_passes(lay.recompute)
 
 
-def tp_layers(m: ModelSpec, lay: LayoutSpec, ab: int, layer_mbs: float) -> list[Collective]:
+def tp_layers(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, layer_mbs: float) -> list[Collective]:
     """Tensor-parallel collectives of ``layer_mbs`` (layers x micro-batches) layer passes."""
     if lay.tp == 1 or layer_mbs == 0:
         return []
-    calls = volumes.tp_layer_calls(_act_elems(m, lay) * ab, lay.sequence_parallel, _forward_passes(lay))
+    calls = volumes.tp_layer_calls(_act_elems(m, lay), eb, lay.sequence_parallel, _forward_passes(lay))
     return _collectives("tp", calls, lay.tp, lay.tp, layer_mbs)
 
 
-def tp_ends(m: ModelSpec, lay: LayoutSpec, ab: int, first: bool, last: bool, mbs: float) -> list[Collective]:
+def tp_ends(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, first: bool, last: bool, mbs: float) -> list[Collective]:
     """Vocab-parallel embedding (first stage), head and cross-entropy (last stage)."""
     if lay.tp == 1:
         return []
     rows = lay.micro_batch * m.seq_len // lay.cp
-    calls = volumes.tp_end_calls(_act_elems(m, lay) * ab, rows, lay.sequence_parallel, first, last)
+    calls = volumes.tp_end_calls(_act_elems(m, lay), eb, rows, lay.sequence_parallel, first, last)
     return _collectives("tp", calls, lay.tp, lay.tp, mbs)
 
 
@@ -113,13 +116,13 @@ def tp_grad_sums(m: ModelSpec, lay: LayoutSpec, grad_b: int, n_layers: int, n_mo
     return _collectives("tp", calls, lay.tp, lay.tp)
 
 
-def cp_layers(m: ModelSpec, lay: LayoutSpec, ab: int, layer_mbs: float) -> list[Collective]:
+def cp_layers(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, layer_mbs: float) -> list[Collective]:
     """Context-parallel collectives of ``layer_mbs`` layer passes."""
     cp = lay.cp
     if cp == 1 or layer_mbs == 0:
         return []
     calls = volumes.cp_layer_calls(lay.cp_kind, cp, lay.micro_batch, m.seq_len // cp, m.heads // lay.tp,
-                                   local_kv_heads(m.n_kv_heads, lay.tp), m.head_dim, ab, lay.recompute)
+                                   local_kv_heads(m.n_kv_heads, lay.tp), m.head_dim, eb.compute, lay.recompute)
     return _collectives("cp", calls, cp, lay.tp * cp, layer_mbs)
 
 
@@ -133,16 +136,16 @@ def cp_moe_layers(m: ModelSpec, lay: LayoutSpec, moe_layer_mbs: float) -> list[C
     return _collectives("cp", calls, cp, lay.tp * cp, moe_layer_mbs)
 
 
-def ep_layers(m: ModelSpec, lay: LayoutSpec, ab: int, moe_layer_mbs: float) -> list[Collective]:
+def ep_layers(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, moe_layer_mbs: float) -> list[Collective]:
     """Expert-parallel dispatch/combine all-to-alls of ``moe_layer_mbs`` MoE layer passes."""
     if lay.ep == 1 or moe_layer_mbs == 0:
         return []
-    calls = volumes.ep_layer_calls(_act_elems(m, lay) * m.top_k * ab, m.num_experts, _forward_passes(lay))
+    calls = volumes.ep_layer_calls(_act_elems(m, lay) * m.top_k, eb, m.num_experts, _forward_passes(lay))
     return _collectives("ep", calls, lay.ep, lay.tp * lay.ep, moe_layer_mbs)
 
 
-def pp_sends(m: ModelSpec, lay: LayoutSpec, ab: int, stage: int, tied_vocab_bytes: float) -> list[Collective]:
-    """Point-to-point activation/gradient sends of one pipeline device per step."""
+def pp_sends(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, stage: int, tied_vocab_bytes: float) -> list[Collective]:
+    """Point-to-point activation/gradient sends of one pipeline device per step (the residual stream)."""
     p, v, mbs = lay.pp, lay.vpp, lay.num_micro_batches
     if p == 1:
         return []
@@ -150,7 +153,7 @@ def pp_sends(m: ModelSpec, lay: LayoutSpec, ab: int, stage: int, tied_vocab_byte
     last = p * v - 1
     fwd = sum(j < last for j in chunks)
     bwd = sum(j > 0 for j in chunks)
-    nb = _act_elems(m, lay) * ab // (lay.tp if lay.sequence_parallel else 1)
+    nb = _act_elems(m, lay) * eb.residual // (lay.tp if lay.sequence_parallel else 1)
     out = _collectives("pp", volumes.pp_calls(nb, fwd, bwd), 2, 2 * lay.tp * lay.cp * lay.dp, mbs)
     if tied_vocab_bytes and stage in (0, p - 1):
         out.append(Collective("pp", "all_reduce", tied_vocab_bytes, 2, 1, lay.world, "step", "tied embedding grad"))

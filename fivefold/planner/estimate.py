@@ -34,7 +34,8 @@ from typing import Any, Callable
 from .. import volumes
 from ..config import Config
 from ..layout import validate
-from .activations import activation_bytes_per_layer, activation_dtype_bytes, saved_tensors_embedding, saved_tensors_output
+from ..volumes import ElementBytes
+from .activations import activation_bytes_per_layer, activation_element_bytes, saved_tensors_embedding, saved_tensors_output
 from .bridge import layout_spec, model_spec
 from .comm import (
     AXES, Collective, cp_layers, cp_moe_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers,
@@ -152,10 +153,10 @@ class CostCache:
         in the number of calls, so a stage's time is this times its layer passes."""
         key = (hw, moe, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.recompute, lay.cp_kind)
         if key not in self._comm:
-            m, ab = self.model, activation_dtype_bytes(self.precision)
-            colls = tp_layers(m, lay, ab, 1) + (ep_layers(m, lay, ab, 1) + cp_moe_layers(m, lay, 1) if moe else [])
+            m, eb = self.model, activation_element_bytes(self.precision)
+            colls = tp_layers(m, lay, eb, 1) + (ep_layers(m, lay, eb, 1) + cp_moe_layers(m, lay, 1) if moe else [])
             if lay.cp_kind != "ring":
-                colls += cp_layers(m, lay, ab, 1)
+                colls += cp_layers(m, lay, eb, 1)
             self._comm[key] = sum(c.time(hw) for c in colls)
         return self._comm[key]
 
@@ -225,7 +226,7 @@ class _Ctx:
     lay: LayoutSpec
     hw: Hardware
     precision: str
-    ab: int
+    eb: ElementBytes
     sb: StateBytes
     costs: dict
     ends: tuple[int, int]
@@ -233,11 +234,11 @@ class _Ctx:
 
 def _context(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
              cache: CostCache | None) -> _Ctx:
-    ab = activation_dtype_bytes(precision)
+    eb = activation_element_bytes(precision)
     sb = state_bytes(precision, optimizer)
     cache = _cache_for(cache, model, precision)
     costs = {moe: cache.layer(layout, moe) for moe in set(model.moe_layers)}
-    return _Ctx(model, layout, hw, precision, ab, sb, costs, cache.ends(layout))
+    return _Ctx(model, layout, hw, precision, eb, sb, costs, cache.ends(layout))
 
 
 def _stage_groups(model: ModelSpec, layout: LayoutSpec) -> list[tuple[int, int, int]]:
@@ -442,7 +443,7 @@ def _states_per_stage(ctx: _Ctx, groups: list[tuple[int, int, int]], zero: int) 
 
 
 def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdown) -> _StageTime:
-    m, lay, hw, sb, ab = ctx.m, ctx.lay, ctx.hw, ctx.sb, ctx.ab
+    m, lay, hw, sb, eb = ctx.m, ctx.lay, ctx.hw, ctx.sb, ctx.eb
     first, last = s == 0, s == lay.pp - 1
     per = [(ctx.costs[k], n) for k, n in ((False, n_dense), (True, n_moe)) if n]
     t, mbs, n_layers = lay.tp, lay.num_micro_batches, n_dense + n_moe
@@ -464,10 +465,10 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     # ---- communication ----
     dense, expert = _params_here(ctx, first, last, n_dense, n_moe)
     tied = _tied_copy_elements(m, lay, s) * sb.grad
-    inner = (tp_layers(m, lay, ab, n_layers * mbs) + tp_ends(m, lay, ab, first, last, mbs)
+    inner = (tp_layers(m, lay, eb, n_layers * mbs) + tp_ends(m, lay, eb, first, last, mbs)
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
-             + cp_layers(m, lay, ab, n_layers * mbs) + cp_moe_layers(m, lay, n_moe * mbs)
-             + ep_layers(m, lay, ab, n_moe * mbs) + pp_sends(m, lay, ab, s, tied))
+             + cp_layers(m, lay, eb, n_layers * mbs) + cp_moe_layers(m, lay, n_moe * mbs)
+             + ep_layers(m, lay, eb, n_moe * mbs) + pp_sends(m, lay, eb, s, tied))
     kept = _kept_for_backward(ctx, first, last) if lay.zero == 3 and n_layers else (0.0, 0.0)
     dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep, kept,
                   _finalized_params(ctx, s, n_dense, n_moe))
