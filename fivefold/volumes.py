@@ -261,13 +261,14 @@ def cp_layer_calls(algorithm: str, cp: int, batch: int, local_len: int, heads: i
     if cp == 1:
         return []
     token = batch * local_len * head_dim * elem_bytes  # one head of this rank's tokens
-    kv = kv_heads * token
+    kv_elems = kv_heads * batch * local_len * head_dim  # K (or V) of this rank's tokens
+    kv = kv_elems * elem_bytes
     core, layer = core_forward_passes(recompute), forward_passes(recompute)
     if algorithm == "allgather":
         return [Call("all_gather", kv * cp, 2 * core, "fwd", "K, V"),
                 Call("reduce_scatter", kv * cp, 2, "bwd", "dK, dV")]
     if algorithm == "ring":
-        acc = kv * ring_accumulator_bytes(elem_bytes) // elem_bytes
+        acc = kv_elems * ring_accumulator_bytes(elem_bytes)
         return [Call("send", kv, 2 * (cp - 1) * core, "fwd", "K, V blocks"),
                 Call("send", kv, 2 * (cp - 1), "bwd", "K, V blocks again"),
                 Call("send", acc, 2 * cp, "bwd", "dK, dV accumulators, home after cp hops")]

@@ -35,7 +35,9 @@ from .. import volumes
 from ..config import Config
 from ..layout import validate
 from ..volumes import ElementBytes
-from .activations import activation_bytes_per_layer, activation_element_bytes, saved_tensors_embedding, saved_tensors_output
+from .activations import (
+    activation_bytes_per_layer, activation_element_bytes, saved_tensors_embedding, saved_tensors_output,
+)
 from .bridge import layout_spec, model_spec
 from .comm import (
     AXES, Collective, cp_layers, cp_moe_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers,
