@@ -20,10 +20,18 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from fivefold.tools.bench import CaseResult, alternate, builds, compare, gather_peak_rss, print_table, write_json
+from fivefold.tools.bench import (
+    CaseResult,
+    alternate,
+    builds,
+    compare,
+    gather_peak_rss,
+    print_table,
+    write_json,
+)
 from fivefold.config import load_config
-from fivefold.layout import validate
-from fivefold.mesh import Mesh
+from fivefold.rules.layout import validate
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.context_parallel import saved_activation_bytes
 
 

@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run directly from a checkout
 
 from fivefold.tools.bench import alternate  # noqa: E402
-from fivefold.indexed import FORMAT, MANIFEST, sha256_of, shard_name  # noqa: E402
+from fivefold.data.indexed import FORMAT, MANIFEST, sha256_of, shard_name  # noqa: E402
 
 WORDS = "the of and to in is was for that with as on by at from his her they this which be".split()
 
@@ -70,7 +70,7 @@ def synthetic_jsonl(path: Path, megabytes: float) -> None:
 
 
 def bench_prepare(work: Path, megabytes: float, rounds: int) -> dict:
-    from fivefold.prepare import prepare
+    from fivefold.data.prepare import prepare
 
     inputs = work / "text"
     inputs.mkdir(exist_ok=True)
@@ -96,9 +96,9 @@ def bench_loader_vs_training(work: Path, preset: str, seq_len: int, global_batch
     import torch
 
     from fivefold.config import load_config
-    from fivefold.layout import validate
-    from fivefold.loader import open_training_data
-    from fivefold.mesh import Mesh
+    from fivefold.rules.layout import validate
+    from fivefold.data.loader import open_training_data
+    from fivefold.parallel.mesh import Mesh
     from fivefold.train import build, train_step
 
     config = load_config(preset, [f"data.source={work / 'prepared-1'}", "data.document_mask=true",
@@ -156,7 +156,7 @@ def probe(root: str, args: argparse.Namespace) -> None:
     import torch  # noqa: F401  (imported before measuring: it is not the data's cost)
 
     from fivefold.config import load_config
-    from fivefold.loader import open_training_data
+    from fivefold.data.loader import open_training_data
 
     before = resident_mb()
     start = time.perf_counter()

@@ -60,10 +60,10 @@ import torch.distributed as dist  # noqa: E402
 
 from fivefold.tools import bench  # noqa: E402
 from fivefold.config import Config, load_config  # noqa: E402
-from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
-from fivefold.layout import validate  # noqa: E402
-from fivefold.malloc import MALLOC_SETTINGS, MallocState, apply_malloc  # noqa: E402
-from fivefold.mesh import Mesh  # noqa: E402
+from fivefold.data.sources import Sampler, load_tokenizer, load_tokens  # noqa: E402
+from fivefold.rules.layout import validate  # noqa: E402
+from fivefold.job.malloc import MALLOC_SETTINGS, MallocState, apply_malloc  # noqa: E402
+from fivefold.parallel.mesh import Mesh  # noqa: E402
 from fivefold.model import build_model  # noqa: E402
 from fivefold.parallelize import cross_entropy_sum  # noqa: E402
 from fivefold.train import build, train_step  # noqa: E402
@@ -294,7 +294,7 @@ def leading_share(params: list[torch.nn.Parameter], share: float) -> list[torch.
 def optimizer_cases(config: Config) -> dict[str, Callable[[], None]]:
     """One AdamW step over the model's parameters with random gradients: fivefold's fused update
     over one flat bucket (as dp=2 keeps it) against torch.optim.AdamW's three implementations."""
-    from fivefold.mesh import Mesh as SingleMesh
+    from fivefold.parallel.mesh import Mesh as SingleMesh
     from fivefold.parallel.data_parallel import flat_adamw_, plan_buckets, trainable
     from fivefold.parallel.optim import AdamWSettings
 

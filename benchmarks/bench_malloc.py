@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fivefold.malloc import MALLOC_SETTINGS, apply_malloc  # noqa: E402
+from fivefold.job.malloc import MALLOC_SETTINGS, apply_malloc  # noqa: E402
 
 PP = ("layout.pp=2", "layout.grad_accum=8")
 CASES: dict[str, tuple[int, tuple[str, ...]]] = {  # name: (processes, overrides of the small preset)
@@ -61,9 +61,9 @@ def worker(case: str, setting: str, warmup: int, steps: int, out: str) -> None:
     import torch.distributed as dist
 
     from fivefold.config import load_config
-    from fivefold.layout import validate
-    from fivefold.loader import open_training_data
-    from fivefold.mesh import Mesh
+    from fivefold.rules.layout import validate
+    from fivefold.data.loader import open_training_data
+    from fivefold.parallel.mesh import Mesh
     from fivefold.train import build, train_step
 
     torch.set_num_threads(1)

@@ -59,19 +59,26 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fivefold.tools.bench import (
-    alternate, builds, ceiling_verdict, compare, gather_peak_rss, median_interval, print_table, thread_schedstat,
+    alternate,
+    builds,
+    ceiling_verdict,
+    compare,
+    gather_peak_rss,
+    median_interval,
+    print_table,
+    thread_schedstat,
     write_json,
 )
 from fivefold.config import load_config
-from fivefold.data import Sampler, load_tokenizer, load_tokens
-from fivefold.layout import validate
-from fivefold.malloc import MALLOC_SETTINGS, apply_malloc
-from fivefold.mesh import Mesh
+from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+from fivefold.rules.layout import validate
+from fivefold.job.malloc import MALLOC_SETTINGS, apply_malloc
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel import comm
-from fivefold.parallel.schedules import build_schedule, executor_model, stage_of
+from fivefold.rules.schedules import build_schedule, executor_model, stage_of
 from fivefold.parallelize import cross_entropy_sum
-from fivefold.stages import bubble_units
-from fivefold.tools.timeline import COMPUTE_KINDS, Timeline, bubble_formula, busy_seconds, gather_rows
+from fivefold.rules.stages import bubble_units
+from fivefold.observe.timeline import COMPUTE_KINDS, Timeline, bubble_formula, busy_seconds, gather_rows
 from fivefold.train import build, local_micro_batches
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}

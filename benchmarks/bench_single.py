@@ -37,10 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run directly 
 
 from fivefold.tools.bench import CaseResult, Comparison, alternate, builds, compare, write_json  # noqa: E402
 from fivefold.config import Config, ModelConfig, load_config  # noqa: E402
-from fivefold.data import Sampler, load_tokenizer, load_tokens  # noqa: E402
-from fivefold.layout import validate  # noqa: E402
-from fivefold.mesh import Mesh  # noqa: E402
-from fivefold.metrics import DTYPES, matmul_operands, model_flops_per_token  # noqa: E402
+from fivefold.data.sources import Sampler, load_tokenizer, load_tokens  # noqa: E402
+from fivefold.rules.layout import validate  # noqa: E402
+from fivefold.parallel.mesh import Mesh  # noqa: E402
+from fivefold.observe.metrics import DTYPES, matmul_operands  # noqa: E402
+from fivefold.rules.flops import model_flops_per_token  # noqa: E402
 from fivefold.model import count_parameters  # noqa: E402
 from fivefold.parallel.optim import decays, lr_at  # noqa: E402
 from fivefold.parallelize import ParallelModel  # noqa: E402

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from fivefold.tools import bench
 from fivefold.tools.saved_activations import measure_saved_bytes
 from fivefold.config import load_config
-from fivefold.data import Sampler, load_tokenizer, load_tokens
-from fivefold.layout import validate
-from fivefold.mesh import Mesh
+from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+from fivefold.rules.layout import validate
+from fivefold.parallel.mesh import Mesh
 from fivefold.model import build_model
 from fivefold.parallel.optim import decays
 from fivefold.train import build, train_step

@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from .cluster import adopt_slurm_environment, job_world_size, where_prefix
+from .job.cluster import adopt_slurm_environment, job_world_size, where_prefix
 from .config import Config, ConfigError, preset_names
-from .layout import LayoutError, config_from_args, validate  # noqa: F401 (config_from_args: the CLI's API)
+from .rules.layout import LayoutError, config_from_args, validate  # noqa: F401 (config_from_args: the CLI's API)
 
 
 class CliError(Exception):
@@ -73,9 +73,9 @@ def launch_training(config: Config, args: argparse.Namespace, argv: list[str], r
     """Check the run folder and the data here, then start the layout's local ranks as a job that
     fivefold.launch supervises (restarts with --resume, collective watchdog, signals), every rank
     and every attempt writing to that folder. Returns the job's exit status."""
-    from .launch import Job, run_job
-    from .loader import check_data_source
-    from .rundir import claim
+    from .job.launch import Job, run_job
+    from .data.loader import check_data_source
+    from .job.rundir import claim
 
     claim(run_dir, config.checkpoint.resume, args.overwrite).release()  # refuse before spawning
     check_data_source(config)  # a missing or bad data file is reported before any process starts
@@ -126,7 +126,7 @@ def _replace_layout_arg(argv: list[str], config: Config) -> list[str]:
 
 def choose_layout_automatically(config: Config, world_size: int | None) -> Config:
     try:
-        from .planner.auto import choose_layout
+        from .tools.auto_layout import choose_layout
     except ImportError:
         raise CliError("--layout auto needs the planner (fivefold.planner)") from None
     return choose_layout(config, world_size)
@@ -142,7 +142,7 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str], argv: list[str]
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    from .planner.cli import run_plan_cli
+    from .tools.plan_cli import run_plan_cli
 
     return run_plan_cli(argv[1:])
 
@@ -168,7 +168,7 @@ def cmd_bench(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
 
 
 def cmd_data(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
-    from .prepare import run_data_cli
+    from .data.prepare import run_data_cli
 
     return run_data_cli(argv[1:])
 

@@ -22,13 +22,13 @@ import torch
 import torch.nn as nn
 
 from .config import Config
-from .mesh import Mesh
+from .parallel.mesh import Mesh
 from .model import Transformer
 from .model.llama import Block
 from .parallel.optim import AdamWSettings, ReplicatedAdamW
 from .parallel.protocols import ParamFinalizer, TrainingOptimizer
 from .parallel.sharding import materialize
-from .step import MicroBatch, cross_entropy_sum, whole_sequence
+from .model.step import MicroBatch, cross_entropy_sum, whole_sequence
 
 if TYPE_CHECKING:
     from .parallel.pipeline import PipelineRunner
@@ -108,7 +108,7 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
             finalizers += apply_context_parallel(chunk, mesh, config)
         apply_recompute(chunk, layout.recompute)
         if config.train.compile:
-            from .regional_compile import compile_blocks
+            from .parallel.compile import compile_blocks
 
             compile_blocks(chunk)
         materialize(chunk, config.model, config.train.seed, device)
@@ -117,7 +117,7 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
 
         loss_fn = vocab_parallel_loss(mesh, config)
     if config.train.compile:
-        from .regional_compile import compile_model_end
+        from .parallel.compile import compile_model_end
 
         loss_fn = compile_model_end(chunks, loss_fn)
     if layout.cp > 1:

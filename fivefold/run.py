@@ -14,22 +14,27 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .cluster import check_same_job, record_hosts
+from .job.cluster import check_same_job, record_hosts
 from .config import Config
-from .data import Sampler, TokenData
-from .packing import data_position
-from .precision import PrecisionPolicy
-from .layout import validate
-from .malloc import MallocState, apply_malloc
-from .mesh import Mesh, device_for
-from .metrics import (
-    DTYPES, StepProfiler, machine_memory_bytes, model_flops_per_token, parameter_count, peak_flops_for_log,
+from .data.sources import Sampler, TokenData
+from .data.packing import data_position
+from .rules.precision import PrecisionPolicy
+from .rules.layout import validate
+from .job.malloc import MallocState, apply_malloc
+from .parallel.mesh import Mesh, device_for
+from .observe.metrics import (
+    DTYPES,
+    StepProfiler,
+    machine_memory_bytes,
+    peak_flops_for_log,
     rank_measurements,
 )
 from .parallel import comm
-from .prediction import check_drift, write_prediction
-from .rundir import RunLock, atomic_write, claim, continues_a_checked_job, default_run_dir, write_json
-from .tools.timeline import trace_step
+from .observe.prediction import check_drift, write_prediction
+from .job.rundir import RunLock, atomic_write, claim, continues_a_checked_job, default_run_dir, write_json
+from .observe.timeline import trace_step
+from .rules.flops import model_flops_per_token
+from .rules.params import total_params
 from .train import MetricsLog, build, evaluate, step_record, train_step
 
 
@@ -126,7 +131,7 @@ def check_machine(config: Config) -> None:
         build = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
         raise RunError(f"train.device=cuda but {build} (torch {torch.__version__}); use train.device=cpu or auto")
     machines = max(int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
-    params = parameter_count(config.model)
+    params = total_params(config.model)
     policy = PrecisionPolicy.from_train(config.train)  # the run's own bytes per parameter
     needed = params * (policy.param_bytes + policy.grad_bytes + policy.optimizer_bytes())
     available, what = machine_memory_bytes(device)
@@ -191,7 +196,7 @@ def save_step(model, config: Config, run_dir: Path, steps_done: int) -> None:
 
 
 def load_data(config: Config) -> tuple[TokenData, Sampler]:
-    from .loader import open_training_data
+    from .data.loader import open_training_data
 
     return open_training_data(config)
 

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 
 from .config import Config
-from .data import Sampler, TokenData, micro_batches
-from .held_memory import held_memory
-from .mesh import Mesh
+from .data.sources import Sampler, TokenData, micro_batches
+from .observe.held_memory import held_memory
+from .parallel.mesh import Mesh
 from .model.moe import MoE
-from .metrics import PhaseClock, flatten_scalars, mfu
+from .observe.metrics import PhaseClock, flatten_scalars, mfu
 from .parallel import comm
 from .parallel.optim import lr_at
 from .parallelize import ParallelModel, parallelize
-from .step import MicroBatch, autocast_for, sequence_scale, token_scale
+from .model.step import MicroBatch, autocast_for, sequence_scale, token_scale
 
 
 @dataclass

@@ -74,7 +74,7 @@ def load_row_sharded(ctx, config: Config, root: str) -> dict:
 
 
 def _sampler(config: Config):
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
 
     data = load_tokens(config.data, load_tokenizer(config.data.tokenizer))
     return Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
@@ -83,7 +83,7 @@ def _sampler(config: Config):
 def train_and_save(ctx, config: Config, steps: int, root: str) -> None:
     """Train `steps` steps under the config's layout, then checkpoint."""
     from fivefold.checkpoint import save_checkpoint
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
     from fivefold.train import build, train_step
 
     config = validate(config, ctx.world_size)
@@ -100,7 +100,7 @@ def resume_and_train(ctx, config: Config, total_steps: int, root: str):
     Rank 0 returns a TrainTrace of the resumed steps with the full final parameters.
     """
     from fivefold.checkpoint import resume_latest
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
     from fivefold.tools.parity import TrainTrace
     from fivefold.train import build, train_step
 

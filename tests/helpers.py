@@ -8,7 +8,7 @@ from fivefold.tools.parity import train_trace
 
 def trace_on_rank(ctx, config: Config, steps: int):
     """Train `config` on this rank of the pool; rank 0 returns the trace with full parameters."""
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
 
     resolved = validate(config, ctx.world_size)
     mesh = ctx.mesh(resolved.layout)

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from fivefold.config import load_config
-from fivefold.layout import validate
+from fivefold.rules.layout import validate
 from fivefold.planner import HARDWARE, PlanError
-from fivefold.planner.auto import choose_layout, model_spec
+from fivefold.tools.auto_layout import choose_layout, model_spec
 
 
 def test_model_spec_counts_the_same_parameters_as_the_model():
@@ -53,7 +53,7 @@ def test_auto_layout_plans_for_the_cuda_device_the_run_uses(monkeypatch):
     import torch
 
     import fivefold.mesh
-    from fivefold.planner.auto import default_world_size, run_hardware
+    from fivefold.tools.auto_layout import default_world_size, run_hardware
 
     props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_000_000_000)
     monkeypatch.setattr(fivefold.mesh, "device_for", lambda preference: torch.device("cuda", 0))
@@ -66,7 +66,7 @@ def test_auto_layout_plans_for_the_cuda_device_the_run_uses(monkeypatch):
 
 
 def test_auto_layout_uses_the_cpu_calibration_for_cpu_runs(tmp_path, monkeypatch):
-    from fivefold.planner.auto import run_hardware
+    from fivefold.tools.auto_layout import run_hardware
     from fivefold.planner.hardware import CPU_DEFAULT, save_calibration
 
     monkeypatch.setenv("FIVEFOLD_CACHE_DIR", str(tmp_path))

@@ -178,7 +178,7 @@ def _export_hf(d: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     from fivefold.config import config_from_dict
-    from fivefold.tools.hf import state_dict_to_hf
+    from fivefold.checkpoint.hf import state_dict_to_hf
 
     m = config_from_dict(json.loads((d / "run" / "config.json").read_text())).model
     hf = d / "hf"

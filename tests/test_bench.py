@@ -14,8 +14,18 @@ import pytest
 
 from fivefold.tools import bench
 from fivefold.tools.bench import (
-    ALONE_ENV, ALONE_OUT_ENV, PRELOAD_ENV, SUITE, MemoryVariant, alone_memory, ceiling_verdict, headline_rows,
-    median_interval, memory_pass, per_round_ratio, suite_markdown,
+    ALONE_ENV,
+    ALONE_OUT_ENV,
+    PRELOAD_ENV,
+    SUITE,
+    MemoryVariant,
+    alone_memory,
+    ceiling_verdict,
+    headline_rows,
+    median_interval,
+    memory_pass,
+    per_round_ratio,
+    suite_markdown,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

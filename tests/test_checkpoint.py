@@ -42,8 +42,8 @@ from fivefold.checkpoint import (
     resume_latest,
 )
 from fivefold.config import load_config
-from fivefold.layout import validate
-from fivefold.mesh import Mesh
+from fivefold.rules.layout import validate
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.sharding import Placement, Split
 from fivefold.train import build
 
@@ -447,7 +447,7 @@ LAYOUT_STEPS = ["model.layers=2", "train.seq_len=16", "train.global_batch=8", "t
 
 
 def layout_config(preset: str, layout: str):
-    from fivefold.layout import parse_layout_string
+    from fivefold.rules.layout import parse_layout_string
 
     return load_config(preset, LAYOUT_STEPS + [f"layout.{k}={v}" for k, v in parse_layout_string(layout).items()])
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.layout import validate
-from fivefold.mesh import Mesh
+from fivefold.rules.layout import validate
+from fivefold.parallel.mesh import Mesh
 from fivefold.tools.parity import assert_parity, train_trace
 from helpers import many_layout_parity, traces_on_rank
 from test_precision import BF16_LOSS_RTOL, BF16_PARAM_DISPLACEMENT_RTOL
@@ -50,7 +50,7 @@ def test_block_computation_compiles_to_one_graph():
 
 def test_final_norm_head_and_loss_compile_to_one_graph_each():
     from fivefold.model.llama import build_model
-    from fivefold.step import cross_entropy_sum
+    from fivefold.model.step import cross_entropy_sum
 
     config = load_config("tiny", [])
     model = build_model(config.model, seed=0)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from fivefold.config import ConfigError, Layout, load_config, parse_overrides, preset_names
-from fivefold.layout import (
+from fivefold.rules.layout import (
     Coords,
     LayoutError,
     coords_to_rank,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.config import Layout, load_config
-from fivefold.layout import LayoutError, validate
+from fivefold.rules.layout import LayoutError, validate
 from fivefold.parallel.context_parallel import (
     CORES,
     block_backward,
@@ -31,7 +31,7 @@ from fivefold.parallel.context_parallel import (
     local_positions,
     merge_block,
 )
-from fivefold.volumes import analytic_cp_bytes
+from fivefold.rules.volumes import analytic_cp_bytes
 
 # ----------------------------------------------------------------------------- pure logic
 

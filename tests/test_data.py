@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fivefold.config import DataConfig
-from fivefold.data import (
+from fivefold.data.sources import (
     ByteTokenizer,
     DataError,
     Sampler,
@@ -22,7 +22,7 @@ from fivefold.data import (
 
 
 def test_embedded_corpus_is_shipped_with_its_licence():
-    from fivefold.data import CORPUS_DIR
+    from fivefold.data.sources import CORPUS_DIR
 
     text = embedded_text()
     assert 1_000_000 < len(text) < 5_000_000

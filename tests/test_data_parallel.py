@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from fivefold.config import Layout, load_config
-from fivefold.mesh import Mesh
-from fivefold.parallel.data_parallel import TAIL_FRACTION, DataParallelAdamW, flat_adamw_, plan_buckets, trainable
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.data_parallel import (
+    TAIL_FRACTION,
+    DataParallelAdamW,
+    flat_adamw_,
+    plan_buckets,
+    trainable,
+)
 from fivefold.parallel.optim import AdamWSettings, adamw_update_, decays
 from fivefold.tools.parity import PARAM_ATOL, PARAM_RTOL, TrainTrace, assert_parity
 
@@ -30,7 +36,7 @@ def tiny(**layout) -> object:
 
 @functools.lru_cache(maxsize=None)
 def _single_process(config, steps: int) -> TrainTrace:
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
     from fivefold.tools.parity import train_trace
 
     return train_trace(config, Mesh.single(validate(config).layout), steps)
@@ -47,7 +53,7 @@ def matched_reference(config, steps: int) -> TrainTrace:
     difference of up to lr * |dg| / eps -- enough to cross the parameter bound with
     grad_accum=4 even in a single process.
     """
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
 
     resolved = validate(config, config.layout.world_size).layout
     single = Layout(grad_accum=resolved.dp * resolved.grad_accum)
@@ -74,14 +80,14 @@ def train_configs_on_rank(ctx, configs: list, steps: int, probe_finalizers: bool
     zero_grad (gradients still there) and the bucket sizes; rank 0 adds the trace with the
     full parameters.
     """
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
 
     return [_train_one(ctx, validate(config, ctx.world_size), steps, probe_finalizers) for config in configs]
 
 
 def _train_one(ctx, config, steps: int, probe_finalizers: bool = False) -> dict:
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.held_memory import held_memory
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.observe.held_memory import held_memory
     from fivefold.train import build, train_step
 
     mesh = ctx.mesh(config.layout)
@@ -150,7 +156,7 @@ def _overlap_and_views(ctx) -> dict:
     from fivefold.train import build
 
     config = tiny(dp=2, bucket_mb=0.05)  # ~50 KB buckets: several per model
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
 
     config = validate(config, 2)
     mesh = ctx.mesh(config.layout)
@@ -202,7 +208,7 @@ def test_buckets_launch_during_backward_and_grads_view_flat_buffers(pools):
 
 def _released_grads_and_unused_parameters(ctx, zero: int) -> dict:
     """One step through the whole model, then a backward that reaches only the embedding."""
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
     from fivefold.train import build
 
     config = validate(tiny(dp=2, zero=zero, bucket_mb=0.05), 2)
@@ -246,8 +252,8 @@ def test_zero_grad_releases_gradients_and_unused_parameters_reduce_as_zeros(pool
 
 
 def _world_collectives_per_step(ctx, zero: int) -> int:
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.layout import validate
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.rules.layout import validate
     from fivefold.train import build, train_step
 
     config = validate(tiny(dp=2, zero=zero), 2)
@@ -269,7 +275,7 @@ def test_plain_data_parallel_step_waits_on_the_world_once(pools):
 
 
 def _different_weights(ctx) -> str:
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
     from fivefold.parallelize import build_chunks
     from fivefold.parallel.sharding import materialize
 
@@ -468,7 +474,7 @@ def test_optimizer_state_round_trips_by_parameter_name(tmp_path):
 
 
 def test_layout_single_replica_zero_is_refused():
-    from fivefold.layout import LayoutError, validate
+    from fivefold.rules.layout import LayoutError, validate
 
     with pytest.raises(LayoutError, match="dp x cp = 1"):
         validate(tiny(zero=1), 1)

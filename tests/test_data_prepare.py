@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from fivefold.blend import BlendIndex, parse_blend
+from fivefold.data.blend import BlendIndex, parse_blend
 from fivefold.cli import main
 from fivefold.config import load_config
-from fivefold.indexed import IndexedDataset
-from fivefold.loader import check_data_source, open_training_data
-from fivefold.packing import permute
-from fivefold.prepare import prepare
-from fivefold.textfiles import DataError
+from fivefold.data.indexed import IndexedDataset
+from fivefold.data.loader import check_data_source, open_training_data
+from fivefold.data.packing import permute
+from fivefold.data.prepare import prepare
+from fivefold.data.textfiles import DataError
 
 TEXTS = ["the first document", "", "a second, longer document: déjà vu", "third\nwith two lines", "4"]
 
@@ -180,7 +180,7 @@ def test_blend_fractions_follow_the_weights(prepared, tmp_path):
 
 
 def test_checkpoint_records_the_data_position(prepared, tmp_path):
-    from fivefold.packing import data_position
+    from fivefold.data.packing import data_position
 
     _, sampler = open_training_data(_tiny(prepared))
     position = data_position(sampler, 7)

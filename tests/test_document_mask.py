@@ -10,7 +10,12 @@ import torch
 
 from fivefold.config import load_config
 from fivefold.model.attention import document_causal_mask, positions_in_documents
-from fivefold.parallel.context_parallel import _ring_block, block_forward, block_forward_reference, local_positions
+from fivefold.parallel.context_parallel import (
+    _ring_block,
+    block_forward,
+    block_forward_reference,
+    local_positions,
+)
 from fivefold.tools.parity import with_layout
 from helpers import many_layout_parity
 
@@ -27,7 +32,7 @@ def _documents_jsonl(path, count: int, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from fivefold.prepare import prepare
+    from fivefold.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("docmask")
     _documents_jsonl(root / "docs.jsonl", 400, seed=1)
@@ -38,7 +43,7 @@ def prepared(tmp_path_factory):
 @pytest.fixture(scope="module")
 def aligned(tmp_path_factory):
     """Documents of exactly 8 tokens (7 letters + EOS): each zigzag segment of cp=2 is one document."""
-    from fivefold.prepare import prepare
+    from fivefold.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("aligned")
     rng = random.Random(2)
@@ -85,7 +90,7 @@ def test_ring_skips_blocks_wholly_in_other_documents():
 def test_attention_does_not_cross_documents(prepared):
     """Changing one document's tokens leaves the logits of every other document unchanged."""
     from fivefold.model import build_model
-    from fivefold.loader import open_training_data
+    from fivefold.data.loader import open_training_data
 
     config = _config(prepared)
     _, sampler = open_training_data(config)
@@ -106,7 +111,7 @@ def test_attention_does_not_cross_documents(prepared):
 
 
 def test_document_mask_parity_in_every_layout(pools, reference, prepared, aligned):
-    from fivefold.loader import open_training_data
+    from fivefold.data.loader import open_training_data
 
     dense, moe = _config(prepared), _config(prepared, "tiny-moe")
     _, sampler = open_training_data(_config(aligned))

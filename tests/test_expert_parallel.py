@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.layout import LayoutError, group_ranks, validate
+from fivefold.rules.layout import LayoutError, group_ranks, validate
 from fivefold.parallel import comm
 from fivefold.parallel.optim import ReplicatedAdamW
 from fivefold.parallel.sharding import get_placement
@@ -111,7 +111,7 @@ def _train_with_ep(ctx, configs, steps):
 
 def _check_accounting(config, per_rank) -> None:
     """Measured ep all-to-all bytes of every rank == the analytic volume of the routing counts."""
-    from fivefold.volumes import FP32, all_to_all_wire_bytes
+    from fivefold.rules.volumes import FP32, all_to_all_wire_bytes
 
     layout = validate(config).layout
     hidden = config.model.hidden

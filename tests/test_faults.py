@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fivefold.checkpoint import checkpoint_root, full_state_of_run, list_checkpoints
-from fivefold.launch import ranks_not_arrived, waits_for
+from fivefold.job.launch import ranks_not_arrived, waits_for
 
 TINY = ["--config", "tiny", "--model.layers", "2", "--train.seq_len", "16", "--train.global_batch", "4"]
 REPO = Path(__file__).resolve().parents[1]
@@ -315,7 +315,7 @@ Path(sys.argv[1], f"threads_{mesh.rank}").write_text(f"{before} {during} {thread
 def test_a_finished_rank_joins_every_backend_thread_before_exit(tmp_path):
     """The cause of the aborts at exit: gloo worker threads still alive when the interpreter
     is torn down. After distributed_job, a rank has no more threads than before it joined."""
-    from fivefold.launch import Job, run_job
+    from fivefold.job.launch import Job, run_job
 
     job = Job(world_size=2, command=("-c", LEAVE_CLEANLY, str(tmp_path)), flight_dir=tmp_path / "flight",
               env={"PYTHONPATH": str(REPO)})

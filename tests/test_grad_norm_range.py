@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.mesh import Mesh
+from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.data_parallel import DataParallelAdamW
 from fivefold.parallel.optim import AdamWSettings, ReplicatedAdamW, squared_sum
 

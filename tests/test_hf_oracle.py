@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fivefold.tools.hf import (  # noqa: E402
+from fivefold.checkpoint.hf import (
     HFConversionError,
     config_from_hf,
     hf_config_from,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fivefold import malloc
+from fivefold.job import malloc
 from fivefold.config import ConfigError, load_config
-from fivefold.malloc import MallocError, apply_malloc
+from fivefold.job.malloc import MallocError, apply_malloc
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--config", "tiny", "--model.layers", "2", "--train.seq_len", "16", "--train.global_batch", "4"]

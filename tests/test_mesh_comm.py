@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fivefold.config import Layout
-from fivefold.layout import group_ranks
+from fivefold.rules.layout import group_ranks
 
 
 def _mesh_groups(ctx, layout: Layout):

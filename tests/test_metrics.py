@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.metrics import (
-    active_params_per_token,
-    attention_flops_per_token,
-    measure_matmul_flops,
-    mfu,
-    model_flops_per_token,
-)
+from fivefold.observe.metrics import measure_matmul_flops, mfu
+from fivefold.rules.flops import active_params_per_token, attention_flops_per_token, model_flops_per_token
 from fivefold.model import Transformer, count_parameters
 
 

@@ -8,13 +8,8 @@ from __future__ import annotations
 import torch
 
 from fivefold.model.moe import Experts, combine_slots, scatter_rows
-from fivefold.parallel.expert_parallel import (
-    dispatch_order,
-    rank_splits,
-    regroup_by_local_expert,
-    unpermute,
-)
-from fivefold.volumes import FP32, all_to_all_wire_bytes
+from fivefold.parallel.expert_parallel import dispatch_order, rank_splits, regroup_by_local_expert, unpermute
+from fivefold.rules.volumes import FP32, all_to_all_wire_bytes
 
 
 def _random_routing(gen: torch.Generator, slots: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:

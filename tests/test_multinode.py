@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from fivefold.checkpoint import MANIFEST, checkpoint_root, list_checkpoints
-from fivefold.cluster import (
+from fivefold.job.cluster import (
     ClusterError,
     check_tp_within_node,
     fingerprint,
@@ -357,7 +357,7 @@ def test_kubernetes_example_is_a_valid_job():
     """examples/pytorchjob.yaml: its command is a fivefold config whose layout fills the job."""
     yaml = pytest.importorskip("yaml")
     from fivefold.cli import build_parser, config_from_args, split_dotted
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
 
     job = yaml.safe_load((Path(__file__).parents[1] / "examples" / "pytorchjob.yaml").read_text())
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from fivefold.config import load_config
 from fivefold.tools.diagnose import first_divergence, probe, stream_module_names
-from fivefold.layout import validate
-from fivefold.mesh import Mesh
+from fivefold.rules.layout import validate
+from fivefold.parallel.mesh import Mesh
 from fivefold.tools.parity import reference_config
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.layout import LayoutError, validate
+from fivefold.rules.layout import LayoutError, validate
 from fivefold.parallel.pipeline import (
     WeightGradDeferral,
     apply_deferred_weight_grads,
@@ -21,9 +21,9 @@ from fivefold.parallel.pipeline import (
     release_storage,
     stage_layer_ids,
 )
-from fivefold.layout import SCHEDULES
-from fivefold.parallel.schedules import build_schedule, simulate
-from fivefold.tools.timeline import Event, bubble_formula, bubble_fraction, chrome_trace, draw_gantt
+from fivefold.rules.layout import SCHEDULES
+from fivefold.rules.schedules import build_schedule, simulate
+from fivefold.observe.timeline import Event, bubble_formula, bubble_fraction, chrome_trace, draw_gantt
 from fivefold.tools.parity import assert_parity
 from helpers import layout_parity, trace_on_rank
 
@@ -163,7 +163,7 @@ def test_sends_are_posted_once_their_tensor_exists_in_list_order_per_peer():
     """The executor posts a send ahead of its place once its tensor exists, but never
     past an earlier send to the same peer (messages match first-in first-out)."""
     from fivefold.parallel.pipeline import PipelineRunner, _sends_by_peer, _StepState
-    from fivefold.parallel.schedules import ActionKind, group_steps
+    from fivefold.rules.schedules import ActionKind, group_steps
 
     row = build_schedule("1f1b", 2, 4)[0]  # rank 0 sends activations 0..3 to rank 1
     st = _StepState([], torch.zeros(()), torch.zeros(()))
@@ -182,7 +182,7 @@ def test_receives_are_posted_ahead_in_list_order_per_peer_up_to_the_depth():
     place (the sender's transfer waits for them), in list order, at most RECVS_AHEAD
     waiting for their consumer; a consumed receive makes room for the next."""
     from fivefold.parallel.pipeline import RECVS_AHEAD, PipelineRunner, _by_peer, _StepState
-    from fivefold.parallel.schedules import ActionKind, group_steps
+    from fivefold.rules.schedules import ActionKind, group_steps
 
     row = build_schedule("interleaved", 2, 4, 2)[0]  # rank 0 receives activations and gradients from 1
     recvs = [a for a in row if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)]
@@ -264,8 +264,8 @@ def _single_process_with_same_microbatches(config, steps: int):
     reaching a tensor with three or more consumers, as the MoE input has, are summed in
     another order once the graph is cut into stages).
     """
-    from fivefold.layout import Layout
-    from fivefold.mesh import Mesh
+    from fivefold.rules.layout import Layout
+    from fivefold.parallel.mesh import Mesh
     from fivefold.tools.parity import train_trace
 
     single = validate(config.replace(layout=Layout(grad_accum=config.layout.grad_accum * config.layout.dp)))
@@ -330,8 +330,8 @@ def _measure_step(ctx, config, out_dir):
     """One traced step: activation memory and timeline per stage, and the evaluation loss."""
     from pathlib import Path
 
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.tools.timeline import trace_step
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.observe.timeline import trace_step
     from fivefold.train import build, evaluate, local_micro_batches
 
     config = validate(config, ctx.world_size)
@@ -348,8 +348,8 @@ def _measure_step(ctx, config, out_dir):
 def test_activation_memory_timeline_and_evaluation(pools, tmp_path):
     from fivefold.tools.parity import reference_config
     from fivefold.train import build as build_single, evaluate as evaluate_single
-    from fivefold.data import load_tokenizer, load_tokens
-    from fivefold.mesh import Mesh
+    from fivefold.data.sources import load_tokenizer, load_tokens
+    from fivefold.parallel.mesh import Mesh
 
     pp, m = 4, 8
     measured = {}

@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.layout import validate
+from fivefold.rules.layout import validate
 from fivefold.planner.bridge import layout_spec, model_spec
 from fivefold.planner.stages import StagePlan, stage_plans
-from fivefold.precision import PrecisionPolicy
+from fivefold.rules.precision import PrecisionPolicy
 from fivefold.tools.dryrun import bytes_per_planner_axis, held_at_peak
 
 MODEL_STATES = ("params", "grads", "optimizer")
@@ -49,8 +49,8 @@ class RankStep(NamedTuple):
 
 def _train_one_step(ctx, config) -> RankStep:
     """One step of `config` on this rank, measured (see the module docstring)."""
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.held_memory import held_memory
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.observe.held_memory import held_memory
     from fivefold.parallel.expert_parallel import moe_dispatchers
     from fivefold.train import build, forward_backward, local_micro_batches
 
@@ -83,8 +83,8 @@ def _stage_plans(config) -> list[StagePlan]:
 def _routed_ep_bytes(config, per_rank: list[RankStep], rank: int) -> int:
     """`rank`'s ep all-to-all bytes from the routing its ep group really had, with the
     planner's forward passes per micro-batch."""
-    from fivefold.layout import group_ranks
-    from fivefold.volumes import all_to_all_wire_bytes, forward_passes
+    from fivefold.rules.layout import group_ranks
+    from fivefold.rules.volumes import all_to_all_wire_bytes, forward_passes
 
     (group,) = [g for g in group_ranks(config.layout, "ep") if rank in g]
     element_bytes = PrecisionPolicy.from_train(config.train).element_bytes()

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from fivefold.config import Layout
-from fivefold.layout import CP_ALGORITHMS, LayoutError, validate
+from fivefold.rules.layout import CP_ALGORITHMS, LayoutError, validate
 from fivefold.planner import HARDWARE, LayoutSpec, ModelSpec, PlanError, estimate, load_model, search
 from fivefold.planner.bridge import layout_spec, model_config, runtime_config
 from fivefold.planner.hardware import hardware_for_gpu

@@ -5,11 +5,20 @@ import os
 
 import pytest
 
-from fivefold.planner import (HARDWARE, LayoutSpec, ModelSpec, PlanError, estimate, explain,
-                              load_model, parse_layout, search)
-from fivefold.planner.cli import run_plan_cli
+from fivefold.planner import (
+    HARDWARE,
+    LayoutSpec,
+    ModelSpec,
+    PlanError,
+    estimate,
+    explain,
+    load_model,
+    parse_layout,
+    search,
+)
+from fivefold.tools.plan_cli import run_plan_cli
 from fivefold.planner.hardware import CPU_DEFAULT, calibrate, load_calibration, save_calibration
-from fivefold.planner.render import format_breakdown, format_table, to_json
+from fivefold.tools.plan_render import format_breakdown, format_table, to_json
 
 SMALL = ModelSpec(name="small", arch="llama", layers=8, hidden=512, heads=8, kv_heads=4,
                   ffn_hidden=1024, vocab=4096, seq_len=1024)

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from fivefold.config import Layout, load_config
-from fivefold.layout import LayoutError, validate
-from fivefold.held_memory import zero_formula_bytes
-from fivefold.volumes import dp_comm_bytes_per_step
-from fivefold.mesh import Mesh
+from fivefold.rules.layout import LayoutError, validate
+from fivefold.observe.held_memory import zero_formula_bytes
+from fivefold.rules.volumes import dp_comm_bytes_per_step
+from fivefold.parallel.mesh import Mesh
 from fivefold.tools.parity import TrainTrace, train_trace
 from fivefold.planner import LayoutSpec, estimate
-from fivefold.planner.auto import model_spec
+from fivefold.tools.auto_layout import model_spec
 from fivefold.planner.model_states import state_bytes
-from fivefold.precision import PrecisionError, PrecisionPolicy, parse_policy
+from fivefold.rules.precision import PrecisionError, PrecisionPolicy, parse_policy
 from test_data_parallel import train_configs_on_rank
 
 STEPS = 2
@@ -182,7 +182,7 @@ def _train_both(ctx, parity: list, accumulated: list) -> tuple[list[dict], list[
 
 
 def _zero2_after_first_micro_batch(ctx) -> dict:
-    from fivefold.held_memory import held_memory
+    from fivefold.observe.held_memory import held_memory
     from fivefold.train import build
 
     config = validate(small(dp=2, zero=2, bucket_mb=0.05), 2)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.config import load_config
-from fivefold.metrics import flatten_scalars
+from fivefold.observe.metrics import flatten_scalars
 from fivefold.tools.report import load_run, write_report
 
 RUNS = {
@@ -94,7 +94,7 @@ def test_trace_and_profile_files(runs):
 
 
 def test_drift_warnings_name_what_is_off_by_more_than_the_margin():
-    from fivefold.prediction import drift_warnings
+    from fivefold.observe.prediction import drift_warnings
 
     prediction = {"hardware": "H100-80GB", "step_time_s": 1.0, "memory_bytes": {"model_states": 1000},
                   "comm_bytes": {"dp": 800, "tp": 100}}
@@ -119,7 +119,7 @@ def test_an_uncalibrated_cpu_is_planned_with_rates_measured_at_start(tmp_path, m
     import torch
 
     from fivefold.planner.hardware import CPU_DEFAULT, save_calibration
-    from fivefold.prediction import planner_hardware
+    from fivefold.observe.prediction import planner_hardware
 
     monkeypatch.setenv("FIVEFOLD_CACHE_DIR", str(tmp_path))
     measured = planner_hardware(torch.device("cpu"), "fp32")
@@ -245,7 +245,7 @@ def test_reports_load_in_a_headless_browser(runs, tmp_path):
 
 def test_plan_compare_zero_prints_the_papers_bytes_per_stage(capsys):
     from fivefold.planner import load_model
-    from fivefold.planner.cli import run_plan_cli
+    from fivefold.tools.plan_cli import run_plan_cli
 
     assert run_plan_cli(["--compare", "zero", "--model", "llama3-70b", "--gpus", "64"]) == 0
     out = capsys.readouterr().out
@@ -263,7 +263,7 @@ def test_plan_compare_zero_prints_the_papers_bytes_per_stage(capsys):
 
 
 def test_plan_compare_schedule_tables_and_gantt(tmp_path, capsys):
-    from fivefold.planner.cli import run_plan_cli
+    from fivefold.tools.plan_cli import run_plan_cli
 
     png = tmp_path / "schedules.png"
     assert run_plan_cli(["--compare", "schedule", "--model", "llama3-8b", "--gpus", "8", "--out", str(png)]) == 0
@@ -278,7 +278,7 @@ def test_plan_compare_schedule_tables_and_gantt(tmp_path, capsys):
 
 def test_rules_of_thumb_name_the_rule_and_the_override():
     from fivefold.planner import estimate, load_model, parse_layout
-    from fivefold.planner.compare import rules_of_thumb
+    from fivefold.tools.plan_compare import rules_of_thumb
 
     dense = load_model("llama3-70b")
     chosen = estimate(dense, parse_layout("dp=1,tp=8,pp=8,zero=0,mb=1", global_batch=64), "H100-80GB")
@@ -293,7 +293,7 @@ def test_rules_of_thumb_name_the_rule_and_the_override():
 
 
 def test_plan_search_ends_with_the_rules_of_thumb(tmp_path, capsys):
-    from fivefold.planner.cli import run_plan_cli
+    from fivefold.tools.plan_cli import run_plan_cli
 
     spec = tmp_path / "small.json"
     spec.write_text(json.dumps({"arch": "llama", "layers": 4, "hidden": 256, "heads": 4, "ffn_hidden": 512,

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from fivefold.parallel.schedules import (
+from fivefold.rules.schedules import (
     Action,
     ActionKind,
     DeadlockError,

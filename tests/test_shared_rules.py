@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import pytest
 
 from fivefold.config import load_config
-from fivefold.layout import LayoutError, validate
-from fivefold.metrics import model_flops_per_token
+from fivefold.rules.layout import LayoutError, validate
+from fivefold.rules.flops import model_flops_per_token
 from fivefold.parallel.context_parallel import local_positions
 from fivefold.parallel.pipeline import build_stage_chunks
-from fivefold.parallel.schedules import ActionKind, build_schedule, simulate
+from fivefold.rules.schedules import ActionKind, build_schedule, simulate
 from fivefold.planner import LayoutSpec, PlanError, estimate, estimate_run, load_model
 from fivefold.planner.bridge import layout_spec, model_spec
 from fivefold.planner.pipeline import bubble_fraction, in_flight, in_flight_embedding, stage_layers
-from fivefold.tools.timeline import bubble_formula
+from fivefold.observe.timeline import bubble_formula
 
 # (preset, overrides): uneven cost-balanced cuts, interleaved chunks, explicit pp_layers, MoE
 SPLIT_CASES = [
@@ -176,7 +176,7 @@ def test_vocab_split_rule_is_the_tensor_parallel_padding():
     """validate refuses a tp exactly when the padded vocab-parallel split leaves the last rank
     only padding rows (the rows the runtime's embedding and head hold)."""
     from fivefold.parallel.tensor_parallel import padded_vocab
-    from fivefold.volumes import vocab_rows_per_rank
+    from fivefold.rules.volumes import vocab_rows_per_rank
 
     for vocab in (8, 9, 10, 13, 256, 259):
         for tp in (2, 4, 8):
@@ -207,7 +207,7 @@ def test_the_planner_and_the_shared_rules_import_no_torch():
 def test_a_runs_pp_layers_reach_the_planners_prediction():
     import torch
 
-    from fivefold.prediction import predict_run
+    from fivefold.observe.prediction import predict_run
 
     first_heavy = validate(load_config("tiny", ["layout.pp=2", "layout.pp_layers=3,1"]))
     last_heavy = validate(load_config("tiny", ["layout.pp=2", "layout.pp_layers=1,3"]))

@@ -9,7 +9,7 @@ import torch
 import fivefold.train
 from fivefold.cli import main
 from fivefold.config import load_config
-from fivefold.held_memory import held_memory
+from fivefold.observe.held_memory import held_memory
 from fivefold.model import Transformer
 
 
@@ -39,8 +39,8 @@ def test_moe_routing_statistics_count_each_slot_once_under_full_recomputation():
     """Full recomputation runs each block's forward again inside its backward; the routing
     counters (tokens per expert, dropped slots, the ep dispatcher's) must not count that
     second pass, or every statistic and the aux-loss-free bias update would see twice the load."""
-    from fivefold.layout import validate
-    from fivefold.mesh import Mesh
+    from fivefold.rules.layout import validate
+    from fivefold.parallel.mesh import Mesh
     from fivefold.tools.parity import train_trace
 
     traces = {}

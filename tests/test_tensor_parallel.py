@@ -18,15 +18,19 @@ import torch
 
 from fivefold.tools.saved_activations import activation_bytes_per_layer, measure_saved_bytes
 from fivefold.config import Layout, load_config
-from fivefold.layout import LayoutError, validate
-from fivefold.mesh import Axis, CommStats, Mesh
+from fivefold.rules.layout import LayoutError, validate
+from fivefold.parallel.mesh import Axis, CommStats, Mesh
 from fivefold.model import Transformer
 from fivefold.parallel.sharding import Placement, Split, is_primary, replica_count
 from fivefold.parallel.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, apply_plan, padded_vocab,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_plan,
+    padded_vocab,
     tensor_parallel_plan,
 )
-from fivefold.volumes import tp_wire_bytes_per_step
+from fivefold.rules.volumes import tp_wire_bytes_per_step
 
 STEPS = 2
 HAS_DP = importlib.util.find_spec("fivefold.parallel.data_parallel") is not None

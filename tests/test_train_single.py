@@ -9,9 +9,9 @@ import torch
 
 from fivefold.cli import main
 from fivefold.config import Config, load_config
-from fivefold.data import Sampler, load_tokenizer, load_tokens
-from fivefold.layout import validate
-from fivefold.mesh import Mesh
+from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+from fivefold.rules.layout import validate
+from fivefold.parallel.mesh import Mesh
 from fivefold.model import Transformer, build_model
 from fivefold.parallel.sharding import materialize
 from fivefold.parallelize import ParallelModel

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from fivefold.held_memory import HoldsTensors
+from fivefold.observe.held_memory import HoldsTensors
 from fivefold.parallel.data_parallel import BucketAllReduce, DataParallelAdamW, FlatSynchroniser
 from fivefold.parallel.optim import LocalGradients, ReplicatedAdamW
 from fivefold.parallel.protocols import CheckpointState, GradientSynchroniser, TrainingOptimizer

@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from fivefold.tools.testing import TIMEOUT_SCALE_ENV, WorkerError, WorkerPool, default_call_cap_s, tree_activity
+from fivefold.tools.testing import (
+    TIMEOUT_SCALE_ENV,
+    WorkerError,
+    WorkerPool,
+    default_call_cap_s,
+    tree_activity,
+)
 
 STALL_S = 2.0  # short, so that a hang is reported quickly; real pools use 60 s
 

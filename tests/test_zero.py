@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fivefold.held_memory import zero_formula_bytes
-from fivefold.volumes import dp_comm_bytes_per_step
+from fivefold.observe.held_memory import zero_formula_bytes
+from fivefold.rules.volumes import dp_comm_bytes_per_step
 from test_data_parallel import STEPS, check_parity_and_norms, run_matrix, tiny, train_configs_on_rank
 
 
@@ -74,7 +74,7 @@ def _with(section, **changes):
 
 
 def _sharded_state(ctx) -> dict:
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
     from fivefold.parallel.sharding import full_shapes, gather_full_state
     from fivefold.train import build
 
@@ -109,7 +109,7 @@ def test_zero3_parameters_are_freed_and_state_is_named(pools):
 
 
 def test_bad_zero_layouts_are_explained():
-    from fivefold.layout import LayoutError, validate
+    from fivefold.rules.layout import LayoutError, validate
 
     with pytest.raises(LayoutError, match="dp x cp = 1"):
         validate(tiny(zero=2), 1)
@@ -122,7 +122,7 @@ def test_bad_zero_layouts_are_explained():
 
 def _gathers_ahead_into_flat_storage(ctx) -> dict:
     """One ZeRO-3 forward/backward, noting at every block's forward what was gathered where."""
-    from fivefold.layout import validate
+    from fivefold.rules.layout import validate
     from fivefold.train import build
 
     config = validate(tiny(dp=2, zero=3, bucket_mb=0.05), 2)
@@ -178,8 +178,8 @@ def test_zero3_gathers_the_next_block_before_this_one_runs_straight_into_flat_st
 
 def _zero_lands_in_place(ctx, stage: int) -> dict:
     """After one ZeRO-1/2 step: where the gradient shard and the updated parameters live."""
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.layout import validate
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.rules.layout import validate
     from fivefold.train import build, train_step
 
     config = validate(tiny(dp=2, zero=stage, bucket_mb=0.05), 2)
@@ -229,8 +229,8 @@ def test_zero_reduces_and_gathers_in_place(pools, stage):
 def _buffers_in_a_backward(ctx, stage: int) -> dict:
     """A ZeRO-2/3 step, then a forward and backward: the scratch buffers (and stage 3's spares)
     after it, and which units hold their full parameters right after the forward."""
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.layout import validate
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.rules.layout import validate
     from fivefold.train import build, train_step
 
     config = validate(tiny(dp=2, zero=stage, bucket_mb=0.05), 2)
@@ -278,8 +278,8 @@ def _gathers_waited_at_first_read(ctx, stage: int) -> dict:
     """A ZeRO-1/2 step, then a forward: which buckets are still being gathered when each read
     point runs (noted by hooks registered after the waiting ones), and the values a reader sees."""
     from fivefold.checkpoint.state import shard_entries
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.layout import validate
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.rules.layout import validate
     from fivefold.parallel.zero import forward_read_points
     from fivefold.train import build, train_step
 

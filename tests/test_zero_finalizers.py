@@ -46,8 +46,8 @@ def test_each_finalizer_kind_matches_one_process_under_zero2_and_zero3(pools, re
 
 def _grads_at_end_of_backward(ctx, config) -> dict:
     """One training step on this rank, read when the backward has ended (before finish_grad_sync)."""
-    from fivefold.data import Sampler, load_tokenizer, load_tokens
-    from fivefold.layout import validate
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.rules.layout import validate
     from fivefold.train import build, train_step
 
     config = validate(config, ctx.world_size)
@@ -72,7 +72,7 @@ def _grads_at_end_of_backward(ctx, config) -> dict:
 def _held_gradients(model) -> dict:
     """Which parameters hold .grad, the gradient bytes held, the bytes the deferred buckets (full)
     and this rank's shards of the others should take, and the number of buckets of each kind."""
-    from fivefold.held_memory import held_memory
+    from fivefold.observe.held_memory import held_memory
     from fivefold.parallel.data_parallel import trainable
 
     sync = model.optimizer.sync

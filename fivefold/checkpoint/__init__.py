@@ -16,7 +16,14 @@ The names other modules use are importable from `fivefold.checkpoint` itself.
 from __future__ import annotations
 
 from ..parallel.sharding import ShardSpec
-from .convert import export_hf, find_checkpoint, full_state_of_run, import_hf, read_final_weights, run_convert_cli
+from .convert import (
+    export_hf,
+    find_checkpoint,
+    full_state_of_run,
+    import_hf,
+    read_final_weights,
+    run_convert_cli,
+)
 from .errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
 from .format import MANIFEST, checkpoint_root, list_checkpoints, prune, read_manifest, step_dir
 from .reader import CheckpointReader

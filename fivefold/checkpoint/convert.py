@@ -19,7 +19,14 @@ from ..config import Config, ModelConfig, check_values, config_from_dict
 from ..parallel.sharding import ShardSpec
 from .errors import CheckpointError, CorruptCheckpoint
 from .format import (
-    MANIFEST, checkpoint_root, commit, list_checkpoints, read_manifest, staging_dir, step_dir, write_rank_files,
+    MANIFEST,
+    checkpoint_root,
+    commit,
+    list_checkpoints,
+    read_manifest,
+    staging_dir,
+    step_dir,
+    write_rank_files,
 )
 from .reader import CheckpointReader, check_model_fits
 from .state import RUNTIME_BUFFERS
@@ -99,7 +106,7 @@ def full_state_of_run(path: Path, step: int | None = None) -> tuple[ModelConfig,
 
 def check_export_target(out: Path) -> None:
     """Export writes only into a new or empty folder: never over a run or other files."""
-    from ..rundir import existing_entries, looks_like_run
+    from ..job.rundir import existing_entries, looks_like_run
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -112,7 +119,7 @@ def check_export_target(out: Path) -> None:
 
 def export_hf(path: Path, out: Path, step: int | None = None) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors) from a run or checkpoint."""
-    from ..tools.hf import write_hf_folder
+    from .hf import write_hf_folder
 
     check_export_target(out)
     model_config, state = full_state_of_run(path, step)
@@ -145,7 +152,7 @@ def import_hf(hf_dir: Path, run_dir: Path, base: str = "tiny") -> Path:
     with a fresh optimizer. The training settings come from the preset `base`.
     """
     from ..config import load_config
-    from ..tools.hf import read_hf_folder
+    from .hf import read_hf_folder
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     root = checkpoint_root(run_dir)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..parallel.sharding import ShardSpec
-from ..rundir import fsync_path, write_json
+from ..job.rundir import fsync_path, write_json
 from .errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
 
 FORMAT = "fivefold-checkpoint/1"

@@ -59,14 +59,15 @@ def check_compatible(manifest: dict[str, Any], config: Config, path: Path) -> li
 def check_model_fits(model: ModelConfig, source: Path) -> None:
     """Refuse a saved config whose full fp32 weights exceed this machine's memory, before sizing
     any tensor: a forged config must not make the reader build or allocate an impossible model."""
-    from ..metrics import machine_memory_bytes, parameter_count
-    from ..precision import PrecisionPolicy
+    from ..observe.metrics import machine_memory_bytes
+    from ..rules.params import total_params
+    from ..rules.precision import PrecisionPolicy
 
-    needed = parameter_count(model) * PrecisionPolicy().param_bytes  # the reader builds fp32 tensors
+    needed = total_params(model) * PrecisionPolicy().param_bytes  # the reader builds fp32 tensors
     available, what = machine_memory_bytes("cpu")
     if needed > available:
         raise IncompatibleCheckpoint(
-            f"{source} describes a model of {parameter_count(model):,} parameters ({needed / 1e9:,.1f} GB of "
+            f"{source} describes a model of {total_params(model):,} parameters ({needed / 1e9:,.1f} GB of "
             f"weights), more than this machine's {available / 1e9:,.1f} GB of {what}"
         )
 

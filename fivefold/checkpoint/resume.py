@@ -19,7 +19,7 @@ import torch
 
 from ..parallel import comm
 from ..parallel.sharding import get_placement
-from ..rundir import describe_write_error, write_errors
+from ..job.rundir import describe_write_error, write_errors
 from .errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
 from .format import commit, list_checkpoints, prune, read_manifest, staging_dir, step_dir, write_rank_files
 from .reader import CheckpointReader, check_compatible

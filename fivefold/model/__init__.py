@@ -2,7 +2,8 @@
 
 from .attention import Attention, AttentionCore, apply_rope, rope_tables
 from .init import canonical_name, initial_value
-from .llama import MLP, Block, RMSNorm, Transformer, build_model, count_parameters
+from .mlp import MLP
+from .llama import Block, RMSNorm, Transformer, build_model, count_parameters
 from .moe import MoE, Experts, LocalDispatcher, Router, capacity_keep, sort_slots_by_expert
 
 __all__ = [

@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .mlp import MLP
+
 # Buffer names, written once: every module that finds these buffers by name uses them.
 EXPERT_BIAS = "expert_bias"  # the router's balancing bias: model state, checkpointed
 TOKENS_PER_EXPERT = "tokens_per_expert"  # token-slots routed to each expert this step
@@ -249,8 +251,6 @@ class MoE(nn.Module):
         z_loss_coef: float = 0.0,
     ) -> None:
         super().__init__()
-        from .llama import MLP
-
         self.num_experts, self.top_k = num_experts, top_k
         self.dropless, self.capacity_factor = dropless, capacity_factor
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..mesh import Axis, CollectiveRecord, FlightRecorder
+from .mesh import Axis, CollectiveRecord, FlightRecorder
 
 COLLECTIVE_TIMEOUT_EXIT = 75  # exit status of a rank ended by its watchdog (EX_TEMPFAIL)
 PEER_LOST_EXIT = 76  # exit status of a rank whose collective failed because a peer went away

@@ -44,13 +44,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import Config
-from ..layout import ZIGZAG_ALGORITHMS
-from ..layout import sequence_segments
-from ..mesh import Axis, Mesh
+from ..rules.layout import ZIGZAG_ALGORITHMS
+from ..rules.layout import sequence_segments
+from .mesh import Axis, Mesh
 from ..model.attention import document_causal_mask, grouped_query_attention, positions_in_documents
 from ..model.llama import Block, Transformer
 from ..model.moe import MoE
-from ..step import MicroBatch
+from ..model.step import MicroBatch
 from . import comm
 from .protocols import ParamFinalizer
 

@@ -33,9 +33,16 @@ from typing import Callable, Iterator, Protocol
 import torch
 import torch.nn as nn
 
-from ..mesh import Axis, Mesh
+from .mesh import Axis, Mesh
 from . import comm
-from .optim import AdamWSettings, Synchronised, adamw_multi_update_, decays, master_copy, widened_if_fp32_failed
+from .optim import (
+    AdamWSettings,
+    Synchronised,
+    adamw_multi_update_,
+    decays,
+    master_copy,
+    widened_if_fp32_failed,
+)
 from .protocols import GradFinalizer, GradientSynchroniser, ShardedState, ShardReader
 from .sharding import Placement, ShardSpec, get_placement, replica_count
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..config import Config
-from ..mesh import Axis, Mesh
+from .mesh import Axis, Mesh
 from ..model.llama import Transformer
 from ..model.moe import scatter_rows, sort_slots_by_expert
 from . import comm

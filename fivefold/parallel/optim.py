@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainConfig
-from ..mesh import Mesh
-from ..precision import PrecisionPolicy
+from .mesh import Mesh
+from ..rules.precision import PrecisionPolicy
 from . import comm
 from .protocols import GradFinalizer, GradientSynchroniser, ShardedState, ShardReader
 from .sharding import get_placement, replica_count

@@ -64,18 +64,18 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..config import Config, ModelConfig
-from ..mesh import Mesh
+from .mesh import Mesh
 from ..model import Transformer
-from ..precision import PrecisionPolicy
-from ..stages import balanced_counts, head_cost, layer_cost  # noqa: F401  (the split lives in stages.py)
-from ..stages import stage_layer_counts as split_counts
-from ..stages import stage_layer_ids as split_ids
+from ..rules.precision import PrecisionPolicy
+from ..rules.stages import balanced_counts, head_cost, layer_cost  # noqa: F401  (the split lives in stages.py)
+from ..rules.stages import stage_layer_counts as split_counts
+from ..rules.stages import stage_layer_ids as split_ids
 from . import comm
 from .deferred import PendingWeightGrad, deferred_linear, weight_grad
 from .optim import TORCH_DTYPES
 from .protocols import ParamFinalizer
-from .schedules import Action, ActionKind, build_schedule, group_steps, stage_of
-from ..step import autocast_for, sequence_scale, token_scale
+from ..rules.schedules import Action, ActionKind, build_schedule, group_steps, stage_of
+from ..model.step import autocast_for, sequence_scale, token_scale
 from .sharding import get_placement, set_placement
 
 K = ActionKind

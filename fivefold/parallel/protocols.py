@@ -23,8 +23,15 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..held_memory import HoldsTensors
 from .sharding import Placement, ShardSpec
+
+class HoldsTensors(Protocol):
+    """What memory accounting asks of an optimizer (every TrainingOptimizer is one)."""
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]: ...
+
+    def padding_bytes(self) -> dict[str, int]: ...
+
 
 GradFinalizer = Callable[[], None]  # completes local gradients (sums over tp, tied embeddings over pp)
 

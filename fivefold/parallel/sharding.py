@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..config import ModelConfig
-from ..mesh import Mesh
+from .mesh import Mesh
 from ..model.init import canonical_name, initial_box
 from ..model.moe import ROUTING_COUNTERS
 from . import comm

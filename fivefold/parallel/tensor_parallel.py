@@ -68,9 +68,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import Config, ModelConfig
-from ..mesh import Axis, Mesh
+from .mesh import Axis, Mesh
 from ..model import MoE, Transformer
-from ..volumes import padded_vocab
+from ..rules.volumes import padded_vocab
 from . import comm
 from .deferred import PendingWeightGrad, deferred_linear, weight_grad
 from .protocols import ParamFinalizer

@@ -62,7 +62,7 @@ from typing import AbstractSet, Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from ..mesh import Mesh
+from .mesh import Mesh
 from . import comm
 from .data_parallel import (
     MB,

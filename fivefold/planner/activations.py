@@ -57,8 +57,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..precision import PrecisionError, parse_policy
-from ..volumes import ElementBytes, local_kv_heads, ulysses_kv_heads, vocab_rows_per_rank
+from ..rules.precision import PrecisionError, parse_policy
+from ..rules.precision import ElementBytes
+from ..rules.volumes import local_kv_heads, ulysses_kv_heads, vocab_rows_per_rank
 from .errors import UnknownNameError, choices
 from .spec import LayoutSpec, ModelSpec
 

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .. import volumes
-from ..layout import sequence_segments
-from ..volumes import Call, ElementBytes, local_kv_heads, ring_factor, ring_steps
+from ..rules import volumes
+from ..rules.layout import sequence_segments
+from ..rules.precision import ElementBytes
+from ..rules.volumes import Call, local_kv_heads, ring_factor, ring_steps
 from .hardware import Hardware
 from .spec import LayoutSpec, ModelSpec
 

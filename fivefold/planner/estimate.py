@@ -31,17 +31,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .. import volumes
+from ..rules import volumes
 from ..config import Config
-from ..layout import validate
-from ..volumes import ElementBytes
+from ..rules.layout import validate
+from ..rules.precision import ElementBytes
 from .activations import (
-    activation_bytes_per_layer, activation_element_bytes, saved_tensors_embedding, saved_tensors_output,
+    activation_bytes_per_layer,
+    activation_element_bytes,
+    saved_tensors_embedding,
+    saved_tensors_output,
 )
 from .bridge import layout_spec, model_spec
 from .comm import (
-    AXES, Collective, cp_layers, cp_moe_layers, dp_grads, ep_layers, pp_sends, tp_ends, tp_grad_sums, tp_layers,
-    volumes_by_axis, volumes_by_kind,
+    AXES,
+    Collective,
+    cp_layers,
+    cp_moe_layers,
+    dp_grads,
+    ep_layers,
+    pp_sends,
+    tp_ends,
+    tp_grad_sums,
+    tp_layers,
+    volumes_by_axis,
+    volumes_by_kind,
 )
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
 from .hardware import Hardware, get_hardware

@@ -7,9 +7,9 @@ weight gradients), so a training step costs 3x the forward.
 
 * Model FLOPs (Chowdhery et al. 2022, "PaLM", Appendix B): 6 N + 12 l (a d) s per token,
   recomputation not counted. For fivefold's own layer (``arch="llama"``) this is the
-  runtime's count, `fivefold.flops.model_flops_per_token` (N: every parameter but the input
+  runtime's count, `fivefold.rules.flops.model_flops_per_token` (N: every parameter but the input
   embedding, norms included), so a predicted MFU and a logged one share their numerator.
-  For GPT, N is the matmul weights a token uses (`params.matmul_params_active`), which
+  For GPT, N is the matmul weights a token uses (`params.layer_params` and the head), which
   gives Megatron's 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per batch of B sequences.
 * Hardware FLOPs add what recomputation re-runs: full recomputation one more forward of
   every layer, selective recomputation the attention scores and weighted sum (Korthikanti
@@ -21,7 +21,7 @@ Both use the full s x s score matrix, as those definitions do, even for causal m
 
 from __future__ import annotations
 
-from ..flops import model_flops_per_token
+from ..rules.flops import model_flops_per_token
 from .bridge import model_config
 from .params import head_block, layer_params
 from .spec import ModelSpec

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from ..precision import parse_policy
+from ..rules.precision import parse_policy
 from .errors import PlanError, UnknownNameError, choices
 
 GiB = 1 << 30

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .. import volumes
-from ..precision import PrecisionError, parse_policy
+from ..rules import volumes
+from ..rules.precision import PrecisionError, parse_policy
 from .errors import UnknownNameError
 
 

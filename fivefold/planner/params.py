@@ -1,4 +1,4 @@
-"""Exact parameter counts, split the way tensor and expert parallelism shard them.
+"""Parameter counts of the two layers the planner plans, split as tp and ep shard them.
 
 GPT (``arch="gpt"``): Narayanan et al. 2021, "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM", eq. (2)::
@@ -10,157 +10,90 @@ embedding (shared with the output layer) and s x h position embeddings. The coun
 that formula exactly (it leaves out the final LayerNorm's 2h); with ``ffn_hidden`` or
 ``kv_heads`` set, the same terms are derived for the given widths.
 
-Llama (``arch="llama"``, fivefold's runtime model): embedding V x h; per layer RMSNorm (h),
-q: h x (a d), k and v: h x (kv d) each, o: (a d) x h, RMSNorm (h) and a SwiGLU MLP
-(gate, up: h x f; down: f x h) or, in MoE layers, a router h x E and E routed SwiGLU
-experts of width f_e plus ``shared_experts`` shared ones; final RMSNorm (h); head h x V
-unless tied.
+Llama (``arch="llama"``, fivefold's runtime model) is counted by the runtime's own rule,
+`fivefold.rules.params`; GPT overrides the blocks that differ (`GPTBlocks`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
-from ..volumes import local_kv_heads
-from .spec import ModelSpec
+from ..rules import params as fivefold_params
+from ..rules.params import FIVEFOLD_LAYER, Block, LayerBlocks, LayerParams, ModelShape, extra_kv_heads
 
 
-@dataclass(frozen=True)
-class Block:
-    """Parameters of one module. ``sharded`` splits over tp; ``replicated`` does not.
-
-    ``matmul`` counts the weights used in matrix multiplications (FLOPs = 2 x matmul per
-    token in the forward pass).
-    """
-
-    sharded: int = 0
-    replicated: int = 0
-    matmul: int = 0
+class PlannedShape(ModelShape, Protocol):
+    """A model the planner plans (`ModelSpec`): fivefold's widths, the layer type, the sequence."""
 
     @property
-    def total(self) -> int:
-        return self.sharded + self.replicated
-
-    def __add__(self, other: "Block") -> "Block":
-        return Block(self.sharded + other.sharded, self.replicated + other.replicated,
-                     self.matmul + other.matmul)
-
-    def times(self, k: int) -> "Block":
-        return Block(self.sharded * k, self.replicated * k, self.matmul * k)
-
-
-@dataclass(frozen=True)
-class LayerParams:
-    """One transformer layer: non-expert parameters and routed experts (all E of them)."""
-
-    dense: Block       # attention, norms, dense MLP or router + shared experts
-    expert: Block      # one routed expert
-    num_experts: int   # routed experts in this layer (0 for a dense layer)
-    top_k: int
-
+    def arch(self) -> str: ...
     @property
-    def total(self) -> int:
-        return self.dense.total + self.num_experts * self.expert.total
-
-    @property
-    def active(self) -> int:
-        return self.dense.total + self.top_k * self.expert.total
-
-    @property
-    def matmul_active(self) -> int:
-        return self.dense.matmul + self.top_k * self.expert.matmul
+    def seq_len(self) -> int: ...
 
 
-def attention_block(m: ModelSpec) -> Block:
-    """q, k, v, o projections (+ GPT biases: qkv column-parallel, o row-parallel)."""
-    h, qd, kvd = m.hidden, m.heads * m.head_dim, m.n_kv_heads * m.head_dim
-    weights = h * qd + 2 * h * kvd + qd * h
-    if m.arch == "gpt":
+class GPTBlocks(LayerBlocks):
+    """Megatron's GPT layer: biases on every linear, LayerNorm (weight and bias), a GeLU MLP
+    of two matrices, learned position embeddings, the output layer tied to the embedding."""
+
+    def attention(self, m: ModelShape) -> Block:
+        """q, k, v, o with their biases: qkv column-parallel, o row-parallel (bias replicated)."""
+        h, qd, kvd = m.hidden, m.heads * m.head_dim, m.n_kv_heads * m.head_dim
+        weights = h * qd + 2 * h * kvd + qd * h
         return Block(sharded=weights + qd + 2 * kvd, replicated=h, matmul=weights)
-    return Block(sharded=weights, matmul=weights)
 
+    def kv_replicas(self, m: ModelShape, tp: int) -> tuple[float, float]:
+        weights, matmul = super().kv_replicas(m, tp)
+        return weights + 2 * m.head_dim * extra_kv_heads(m, tp), matmul
 
-def kv_replica_params(m: ModelSpec, tp: int) -> tuple[float, float]:
-    """(parameters, matmul weights) a tensor-parallel rank holds beyond an even 1/tp split
-    of the key/value projections: with tp > kv heads each head is repeated on tp/kv ranks
-    (as the runtime does), so a rank holds one whole head instead of kv/tp of one."""
-    extra_heads = local_kv_heads(m.n_kv_heads, tp) - m.n_kv_heads / tp
-    weights = 2 * m.hidden * m.head_dim * extra_heads
-    biases = 2 * m.head_dim * extra_heads if m.arch == "gpt" else 0.0
-    return weights + biases, weights
-
-
-def mlp_block(m: ModelSpec, width: int) -> Block:
-    """GPT: fc1 h x f (+f bias), fc2 f x h (+h bias). Llama SwiGLU: gate, up, down."""
-    h = m.hidden
-    if m.arch == "gpt":
+    def mlp(self, m: ModelShape, width: int) -> Block:
+        """fc1 h x f (+f bias), fc2 f x h (+h bias)."""
+        h = m.hidden
         return Block(sharded=2 * h * width + width, replicated=h, matmul=2 * h * width)
-    return Block(sharded=3 * h * width, matmul=3 * h * width)
+
+    def norms(self, m: ModelShape) -> Block:
+        return Block(replicated=2 * 2 * m.hidden)
+
+    def embedding(self, m: PlannedShape) -> Block:  # type: ignore[override]
+        return Block(sharded=m.vocab_size * m.hidden, replicated=m.seq_len * m.hidden)
+
+    def head(self, m: ModelShape) -> Block:
+        """Always tied (and the formula omits the final LayerNorm); the matmul still happens."""
+        return Block(matmul=m.vocab_size * m.hidden)
 
 
-def norms_block(m: ModelSpec) -> Block:
-    """Two norms per layer: LayerNorm has weight and bias (2h), RMSNorm a weight (h)."""
-    per = 2 * m.hidden if m.arch == "gpt" else m.hidden
-    return Block(replicated=2 * per)
+GPT_LAYER = GPTBlocks()
 
 
-def layer_params(m: ModelSpec, i: int) -> LayerParams:
-    base = attention_block(m) + norms_block(m)
-    if not m.is_moe_layer(i):
-        return LayerParams(base + mlp_block(m, m.ffn), Block(), 0, 0)
-    router = Block(replicated=m.hidden * m.num_experts, matmul=m.hidden * m.num_experts)
-    shared = mlp_block(m, m.expert_ffn).times(m.shared_experts)
-    return LayerParams(base + router + shared, mlp_block(m, m.expert_ffn), m.num_experts, m.top_k)
+def blocks_of(m: PlannedShape) -> LayerBlocks:
+    return GPT_LAYER if m.arch == "gpt" else FIVEFOLD_LAYER
 
 
-def embedding_block(m: ModelSpec) -> Block:
-    """Input side (first stage): vocab-parallel word embedding (+ GPT position embedding)."""
-    pos = m.seq_len * m.hidden if m.arch == "gpt" else 0
-    return Block(sharded=m.vocab * m.hidden, replicated=pos)
+def layer_params(m: PlannedShape, i: int) -> LayerParams:
+    return fivefold_params.layer_params(m, i, blocks_of(m))
 
 
-def head_block(m: ModelSpec) -> Block:
-    """Output side (last stage): final norm and output layer; a tied head adds no weights.
-
-    GPT always ties (and the formula omits the final LayerNorm); the matmul still happens.
-    """
-    vh = m.vocab * m.hidden
-    if m.arch == "gpt":
-        return Block(matmul=vh)
-    if m.tied_embeddings:
-        return Block(replicated=m.hidden, matmul=vh)
-    return Block(sharded=vh, replicated=m.hidden, matmul=vh)
+def kv_replica_params(m: PlannedShape, tp: int) -> tuple[float, float]:
+    return blocks_of(m).kv_replicas(m, tp)
 
 
-def is_tied(m: ModelSpec) -> bool:
+def embedding_block(m: PlannedShape) -> Block:
+    return blocks_of(m).embedding(m)
+
+
+def head_block(m: PlannedShape) -> Block:
+    return blocks_of(m).head(m)
+
+
+def is_tied(m: PlannedShape) -> bool:
     return m.arch == "gpt" or m.tied_embeddings
 
 
-def layer_kinds(m: ModelSpec) -> list[tuple[LayerParams, int]]:
-    """(parameters of one layer, number of such layers) for dense and MoE layers."""
-    n_moe = m.num_moe_layers
-    return [(layer_params(m, m.moe_layers.index(moe)), n)
-            for moe, n in ((False, m.layers - n_moe), (True, n_moe)) if n]
+def total_params(m: PlannedShape) -> int:
+    return fivefold_params.total_params(m, blocks_of(m))
 
 
-def total_params(m: ModelSpec) -> int:
-    layers = sum(lp.total * n for lp, n in layer_kinds(m))
-    return layers + embedding_block(m).total + head_block(m).total
-
-
-def active_params(m: ModelSpec) -> int:
-    layers = sum(lp.active * n for lp, n in layer_kinds(m))
-    return layers + embedding_block(m).total + head_block(m).total
-
-
-def matmul_params_active(m: ModelSpec) -> int:
-    """Weights a token multiplies with: every linear layer it uses, including the head.
-
-    This is the N of PaLM's model-FLOPs definition (Chowdhery et al. 2022, App. B, 6N per
-    token): the embedding lookup does no multiplication, the output layer does, tied or not.
-    """
-    layers = sum(lp.matmul_active * n for lp, n in layer_kinds(m))
-    return layers + head_block(m).matmul
+def active_params(m: PlannedShape) -> int:
+    return fivefold_params.active_params(m, blocks_of(m))
 
 
 def gpt_formula_params(layers: int, hidden: int, vocab: int, seq_len: int) -> float:

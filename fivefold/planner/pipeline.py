@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..stages import bubble_units as stage_bubble_units
-from ..stages import rank_layer_ids, stage_layer_counts
+from ..rules.stages import bubble_units as stage_bubble_units
+from ..rules.stages import rank_layer_ids, stage_layer_counts
 from .bridge import model_config
 from .spec import LayoutSpec, ModelSpec
 

@@ -19,7 +19,7 @@ import heapq
 from typing import Iterator
 
 from ..config import Config, Layout
-from ..layout import LayoutError, _check_zero, validate
+from ..rules.layout import LayoutError, _check_zero, validate
 from .bridge import runtime_config
 from .errors import PlanError
 from .estimate import CostCache, Estimate, estimate_valid, memory_grid_valid, time_lower_bound

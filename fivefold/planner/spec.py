@@ -17,8 +17,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..layout import CP_ALGORITHMS as CP_KINDS
-from ..layout import RECOMPUTE, SCHEDULES, LayoutError, check_chunk_schedule
+from ..rules.layout import CP_ALGORITHMS as CP_KINDS
+from ..rules.layout import RECOMPUTE, SCHEDULES, LayoutError, check_chunk_schedule
+from ..config import default_ffn_hidden
+from . import params
 from .errors import PlanError, UnknownNameError, choices
 
 ARCHS = ("gpt", "llama")
@@ -44,15 +46,6 @@ def divisors(n: int) -> list[int]:
     """All positive divisors of ``n`` in increasing order."""
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
-
-
-def llama_ffn_hidden(hidden: int, multiple_of: int = 256) -> int:
-    """Llama's default SwiGLU width: 2/3 of 4h, rounded up to ``multiple_of``.
-
-    Source: Touvron et al. 2023 (LLaMA), reference ``model.py`` FeedForward.
-    """
-    f = int(2 * 4 * hidden / 3)
-    return multiple_of * ((f + multiple_of - 1) // multiple_of)
 
 
 @dataclass(frozen=True)
@@ -120,10 +113,10 @@ class ModelSpec:
 
     @property
     def ffn(self) -> int:
-        """Dense MLP width: 4h for GPT, Llama's rounded 8h/3 for llama when unset."""
+        """Dense MLP width when unset: 4h for GPT, the runtime's rule for llama (`default_ffn_hidden`)."""
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        return 4 * self.hidden if self.arch == "gpt" else llama_ffn_hidden(self.hidden)
+        return 4 * self.hidden if self.arch == "gpt" else default_ffn_hidden(self.hidden)
 
     @property
     def expert_ffn(self) -> int:
@@ -149,13 +142,16 @@ class ModelSpec:
     # ---- parameter counts (see params.py) ---------------------------------------------
     def num_params(self) -> int:
         """Total parameters (every expert counted)."""
-        from .params import total_params
-        return total_params(self)
+        return params.total_params(self)
 
     def active_params(self) -> int:
         """Parameters used per token: top_k routed experts plus shared experts."""
-        from .params import active_params
-        return active_params(self)
+        return params.active_params(self)
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary under the runtime's name (`ModelConfig.vocab_size`), for the shared counts."""
+        return self.vocab
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

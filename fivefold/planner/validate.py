@@ -8,7 +8,7 @@ the same function a training run calls before it starts any process.
 from __future__ import annotations
 
 from ..config import Config
-from ..layout import LayoutError, validate
+from ..rules.layout import LayoutError, validate
 from .bridge import runtime_config
 from .errors import PlanError
 from .spec import LayoutSpec, ModelSpec

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..config import Config
-from ..mesh import Mesh
+from ..parallel.mesh import Mesh
 from ..parallel import comm
 from ..parallel.sharding import full_shapes, gather_full_state
 from ..parallelize import ParallelModel
@@ -175,8 +175,8 @@ def probe(
     `after_build` may modify the parallel model before it runs (tests use it to break a
     collective on purpose and check that the divergence is found where it was made).
     """
-    from ..layout import validate
-    from ..loader import open_training_data
+    from ..rules.layout import validate
+    from ..data.loader import open_training_data
     from ..train import build
 
     config = validate(config, mesh.world_size)

@@ -42,9 +42,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import Config
-from ..data import Sampler
-from ..layout import LayoutError, rank_to_coords, validate
-from ..held_memory import HeldMemory, held_memory
+from ..data.sources import Sampler
+from ..rules.layout import LayoutError, rank_to_coords, validate
+from ..observe.held_memory import HeldMemory, held_memory
 from ..planner import HARDWARE, Hardware
 from ..planner.bridge import layout_spec
 from ..planner.bridge import model_spec
@@ -358,7 +358,7 @@ def held_at_peak(held: list[HeldMemory]) -> dict[str, int]:
 
 def run_rank(config: Config, rank: int) -> RankResult:
     """Build `rank` of `config`'s (validated) layout on the meta device and run one training step."""
-    from ..mesh import Mesh
+    from ..parallel.mesh import Mesh
     from ..train import build, train_step
 
     with fake_world(config.layout.world_size, rank):

@@ -9,7 +9,7 @@ import torch
 
 from ..checkpoint import RUNTIME_BUFFERS, read_final_weights
 from ..config import Config
-from ..data import load_tokenizer
+from ..data.sources import load_tokenizer
 from ..model import Transformer
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from ..config import Config, Layout
-from ..loader import open_training_data
-from ..layout import validate
-from ..mesh import Mesh
+from ..data.loader import open_training_data
+from ..rules.layout import validate
+from ..parallel.mesh import Mesh
 from ..train import build, train_step
 
 LOSS_RTOL, LOSS_ATOL = 1e-5, 1e-6

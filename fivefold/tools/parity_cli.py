@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..launch import Job, run_job
-from ..layout import config_from_args, validate
-from ..mesh import Mesh
+from ..job.launch import Job, run_job
+from ..rules.layout import config_from_args, validate
+from ..parallel.mesh import Mesh
 from .parity import compare, reference_config, train_trace
 
 

@@ -127,7 +127,7 @@ def _read_pipeline(run_dir: Path, missing: list[str]) -> list | None:
     path = run_dir / "trace.json"
     if not path.exists():
         return None
-    from .timeline import read_chrome_trace
+    from ..observe.timeline import read_chrome_trace
 
     try:
         return read_chrome_trace(path)
@@ -316,7 +316,7 @@ def _median_phases(records: list[dict[str, Any]]) -> dict[str, float]:
 def _measured_bubble(run: RunData) -> float | None:
     if not run.pipeline_rows:
         return None
-    from .timeline import bubble_fraction
+    from ..observe.timeline import bubble_fraction
 
     return bubble_fraction(run.pipeline_rows)
 
@@ -506,7 +506,7 @@ def pipeline_section(run: RunData) -> Section:
     if pp == 1:
         section.notes.append("pp=1: no pipeline, no bubble")
         return section
-    from .timeline import bubble_fraction, draw_rows, ideal_rows
+    from ..observe.timeline import bubble_fraction, draw_rows, ideal_rows
 
     schedule, vpp = layout.get("pp_schedule", "1f1b"), layout.get("vpp", 1)
     m = layout.get("grad_accum") or 1
@@ -569,7 +569,7 @@ def _prediction_lines(run: RunData) -> list[str]:
     """The planner's summary for this run and the drift warnings the run printed (recomputed)."""
     if not run.prediction:
         return []
-    from ..prediction import DRIFT_CHECK_STEP, drift_warnings, summary
+    from ..observe.prediction import DRIFT_CHECK_STEP, drift_warnings, summary
 
     margin = run.prediction.get("drift_margin", 0.25)
     try:

@@ -118,7 +118,7 @@ class WorkerContext:
 
     def mesh(self, layout: Any):
         """The Mesh of `layout`, built once per worker (group creation is collective and slow)."""
-        from ..mesh import Mesh
+        from ..parallel.mesh import Mesh
 
         key = (layout.pp, layout.dp, layout.cp, layout.tp, layout.ep)
         if key not in self._meshes:

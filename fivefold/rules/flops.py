@@ -29,31 +29,16 @@ appendix B (6N + 12LHQT and the definition of MFU); torchtitan `get_num_flop_per
 
 from __future__ import annotations
 
-from .config import ModelConfig
-
-
-def attention_params(m: ModelConfig) -> int:
-    """wq, wk, wv, wo of one layer (grouped-query: k and v have n_kv_heads heads)."""
-    q_width, kv_width = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
-    return m.hidden * q_width + 2 * m.hidden * kv_width + q_width * m.hidden
-
-
-def mlp_params_per_token(m: ModelConfig, layer: int) -> int:
-    """Parameters of layer `layer`'s MLP a token goes through: dense SwiGLU or active MoE."""
-    if not m.is_moe_layer(layer):
-        return 3 * m.hidden * m.ffn
-    router = m.hidden * m.num_experts
-    experts = (m.top_k + m.shared_experts) * 3 * m.hidden * m.expert_ffn
-    return router + experts
+from ..config import ModelConfig
+from .params import FIVEFOLD_LAYER, layer_kinds
 
 
 def active_params_per_token(m: ModelConfig) -> int:
-    """N of the PaLM formula: every parameter except the input embedding, MoE counted as active."""
-    norms_per_layer = 2 * m.hidden
-    layers = sum(attention_params(m) + norms_per_layer + mlp_params_per_token(m, i) for i in range(m.layers))
-    head = m.hidden * m.vocab_size
-    final_norm = m.hidden
-    return layers + final_norm + head
+    """N of the PaLM formula: every parameter except the input embedding, MoE counted as active
+    (the counts are `params.py`'s: norms and the router included, the head once, tied or not)."""
+    layers = sum(layer.active * count for layer, count in layer_kinds(m))
+    head = FIVEFOLD_LAYER.head(m)
+    return layers + head.replicated + head.matmul
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:

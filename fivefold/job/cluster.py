@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import Config, Layout
+from ..config import Config, Layout
 
 
 class ClusterError(ValueError):
@@ -141,7 +141,7 @@ def job_settings(config: Config) -> dict[str, Any]:
     """What every node of one job must agree on: the config and the versions that run it."""
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     return {**config.to_dict(), "versions": {"fivefold": __version__, "torch": torch.__version__}}
 

@@ -58,7 +58,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from ..layout import SCHEDULES
+from .layout import SCHEDULES
 
 
 class ActionKind(enum.Enum):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .config import Config
+from ..config import Config
 
 # comm.py axis names -> the planner's: data-parallel reductions run on dp x cp (dense) or on
 # the expert-data-parallel group (experts); "world" carries only loss and norm reporting.
@@ -54,7 +54,7 @@ def hardware_for(device: torch.device) -> str:
     """
     if device.type != "cuda":
         return "cpu"
-    from .planner import HARDWARE
+    from ..planner import HARDWARE
 
     name = torch.cuda.get_device_name(device).upper()
     memory = torch.cuda.get_device_properties(device).total_memory
@@ -72,7 +72,7 @@ def planner_hardware(device: torch.device, dtype: str) -> Any:
     """
     import dataclasses
 
-    from .planner.hardware import CPU_DEFAULT, load_calibration, measure_copy_bandwidth, measure_matmul_flops
+    from ..planner.hardware import CPU_DEFAULT, load_calibration, measure_copy_bandwidth, measure_matmul_flops
 
     name = hardware_for(device)
     if name != "cpu":
@@ -91,8 +91,8 @@ def predict_run(config: Config, device: torch.device) -> dict[str, Any]:
     Returns {"error": reason} when the planner cannot cost this layout, so a run never fails
     for want of a prediction.
     """
-    from .planner import PlanError, estimate
-    from .planner.bridge import layout_spec, model_spec
+    from ..planner import PlanError, estimate
+    from ..planner.bridge import layout_spec, model_spec
 
     layout, train = config.layout, config.train
     hardware = planner_hardware(device, train.dtype)

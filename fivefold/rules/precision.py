@@ -24,13 +24,30 @@ weights. `PrecisionPolicy.name` and `parse_policy` convert both ways.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from .config import TrainConfig
-from .volumes import ElementBytes
+from ..config import TrainConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RUNTIME_DTYPES = ("fp32", "bf16")  # what the training runtime implements (fp16 needs loss scaling)
 MOMENT_BYTES = {"adam": 8, "adamw": 8, "sgd": 4}  # fp32 optimizer moments per parameter
+
+
+class ElementBytes(NamedTuple):
+    """Bytes per element of the two kinds of activation that collectives carry, under a
+    precision policy (`PrecisionPolicy.element_bytes`).
+
+    ``residual``: the residual stream and what is computed from it outside matrix
+    multiplications (the embedding's and the norms' outputs, which the next matmul reads), and
+    the gradients flowing back into them, in the wider of the parameter and compute dtypes.
+    ``compute``: what matrix multiplications produce (attention and MLP outputs, projected
+    keys and values, expert outputs) and its gradients, in the compute dtype. The two are equal
+    in fp32 and with 16-bit parameters; bf16 autocast over fp32 weights keeps the residual
+    stream in fp32 and casts only inside each matmul.
+    """
+
+    residual: int
+    compute: int
 
 
 class PrecisionError(ValueError):

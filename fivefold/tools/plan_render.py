@@ -8,9 +8,9 @@ import json
 from rich.console import Group
 from rich.table import Table
 
-from .estimate import Estimate
-from .hardware import GiB
-from .spec import LayoutSpec
+from ..planner.estimate import Estimate
+from ..planner.hardware import GiB
+from ..planner.spec import LayoutSpec
 
 
 def _gib(n: float) -> str:

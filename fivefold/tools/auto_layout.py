@@ -13,11 +13,11 @@ import os
 from typing import Callable
 
 from ..config import Config
-from ..layout import validate
-from .bridge import model_spec, runtime_layout
-from .hardware import Hardware, calibrate, get_hardware, hardware_for_gpu, load_calibration
-from .spec import ModelSpec
-from ..precision import PrecisionPolicy
+from ..rules.layout import validate
+from ..planner.bridge import model_spec, runtime_layout
+from ..planner.hardware import Hardware, calibrate, get_hardware, hardware_for_gpu, load_calibration
+from ..planner.spec import ModelSpec
+from ..rules.precision import PrecisionPolicy
 
 __all__ = ["choose_layout", "default_world_size", "machine_hardware", "run_hardware", "model_spec",
            "layout_from_spec"]
@@ -41,7 +41,7 @@ def machine_hardware(world_size: int, hardware: str | Hardware | None = None) ->
 
 def _run_device(config: Config):
     """The device a rank of this run computes on (the rule the run itself uses)."""
-    from ..mesh import device_for
+    from ..parallel.mesh import device_for
 
     return device_for(config.train.device)
 
@@ -73,8 +73,8 @@ def choose_layout(
     show: Callable[[object], None] | None = print,
 ) -> Config:
     """The config with the fastest predicted layout of `world_size` processes that fivefold accepts."""
-    from .explain import explain
-    from .search import search
+    from ..planner.explain import explain
+    from ..planner.search import search
 
     world = world_size or default_world_size(config)
     hw = run_hardware(config, world, hardware)
@@ -91,7 +91,7 @@ def choose_layout(
 def _show(spec: ModelSpec, candidates, explain, show: Callable[[object], None]) -> None:
     from rich.console import Console
 
-    from .render import format_table
+    from .plan_render import format_table
 
     console = Console()
     console.print(format_table(candidates, top=8))

@@ -20,11 +20,11 @@ from typing import Any
 
 from rich.table import Table
 
-from .errors import PlanError
-from .estimate import Estimate, estimate
-from .hardware import GiB, Hardware, get_hardware
-from .model_states import state_bytes, zero_model_states
-from .spec import LayoutSpec, ModelSpec, divisors
+from ..planner.errors import PlanError
+from ..planner.estimate import Estimate, estimate
+from ..planner.hardware import GiB, Hardware, get_hardware
+from ..planner.model_states import state_bytes, zero_model_states
+from ..planner.spec import LayoutSpec, ModelSpec, divisors
 
 GB = 1e9  # the ZeRO paper states memory in decimal gigabytes
 LONG_SEQUENCE = 8192  # "序列长度超8k时：引入序列并行" (background article 2, section 6)
@@ -87,7 +87,7 @@ def default_pipeline_layout(model: ModelSpec, gpus: int, hw: Hardware, global_ba
 
 def schedule_rows(model: ModelSpec, base: LayoutSpec, hw: Hardware, precision: str) -> list[dict[str, Any]]:
     """Bubble, activation and total memory, step time of each schedule on `base`'s degrees."""
-    from ..tools.timeline import bubble_fraction, ideal_rows
+    from ..observe.timeline import bubble_fraction, ideal_rows
 
     rows = []
     for schedule, vpp in SCHEDULE_VARIANTS:
@@ -129,7 +129,7 @@ def draw_schedules(pp: int, num_microbatches: int, path: str | Path) -> tuple[Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..tools.timeline import bubble_fraction, draw_rows, ideal_rows
+    from ..observe.timeline import bubble_fraction, draw_rows, ideal_rows
 
     m = min(num_microbatches, GANTT_MAX_MICROBATCHES_PER_STAGE * pp)
     panels = []
@@ -324,7 +324,7 @@ def rules_of_thumb(model: ModelSpec, chosen: Estimate) -> list[str]:
 
 def run_compare(args, model: ModelSpec, hardware: str, out) -> int:
     """`fivefold plan --compare ...` (args from planner/cli.py); prints a table, exit code 0."""
-    from .spec import parse_layout
+    from ..planner.spec import parse_layout
 
     if args.json:
         raise PlanError("--compare prints tables only; drop --json (the numbers come from fivefold.planner.compare's "

@@ -7,14 +7,14 @@ import sys
 
 from rich.console import Console
 
-from .errors import PlanError
-from .estimate import estimate
-from .explain import explain
-from .hardware import HARDWARE, calibrate, calibration_path
-from .models import MODELS, load_model
-from .render import format_breakdown, format_table, to_json
-from .search import search
-from .spec import parse_layout
+from ..planner.errors import PlanError
+from ..planner.estimate import estimate
+from ..planner.explain import explain
+from ..planner.hardware import HARDWARE, calibrate, calibration_path
+from ..planner.models import MODELS, load_model
+from .plan_render import format_breakdown, format_table, to_json
+from ..planner.search import search
+from ..planner.spec import parse_layout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.seq_len is not None:
         model = model.replace(seq_len=args.seq_len)
     if args.compare:
-        from .compare import run_compare
+        from .plan_compare import run_compare
 
         return run_compare(args, model, hardware, out)
     if args.layout:
@@ -79,7 +79,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     gb = 8 * gpus if args.global_batch is None else args.global_batch
     cands = search(model, gpus=gpus, hardware=hardware, global_batch=gb, precision=args.precision,
                    optimizer=args.optimizer, top=max(args.top, 10))
-    from .compare import rules_of_thumb
+    from .plan_compare import rules_of_thumb
 
     text = "\n".join([explain(model, cands), *rules_of_thumb(model, cands[0][1])])
     if args.json:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import Config, TrainConfig
-from .model.attention import positions_in_documents
+from ..config import Config, TrainConfig
+from .attention import positions_in_documents
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from .config import DataConfig
+from ..config import DataConfig
 from .textfiles import DataError, jsonl_documents, read_text_file
 
 __all__ = ["DataError", "jsonl_documents", "read_text_file"]  # re-exported: the data module's errors

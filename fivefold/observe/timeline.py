@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from ..stages import bubble_share
+from ..rules.stages import bubble_share
 
 if TYPE_CHECKING:
     from ..parallelize import ParallelModel
@@ -171,7 +171,7 @@ def ideal_rows(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
     (zero-bubble) spends half of `backward` on the input gradient and half on the weight
     gradient, as `simulate` does.
     """
-    from ..parallel.schedules import build_schedule, simulate
+    from ..rules.schedules import build_schedule, simulate
 
     table = build_schedule(schedule, pp, num_microbatches, vpp)
     result = simulate(table, pp, forward / vpp, backward / vpp)

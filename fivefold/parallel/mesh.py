@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import Layout
-from .layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
+from ..config import Layout
+from ..rules.layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
 
 AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from .blend import BlendedSampler, parse_blend
-from .config import Config
-from .data import DataError, Sampler, TokenData, load_text, load_tokenizer, load_tokens
+from ..config import Config
+from .sources import DataError, Sampler, TokenData, load_text, load_tokenizer, load_tokens
 from .indexed import IndexedDataset, is_prepared
 from .packing import PackedSampler, StepSampler, split_by_documents
 

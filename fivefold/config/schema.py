@@ -17,11 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-PRESET_DIR = Path(__file__).parent / "configs"
+PRESET_DIR = Path(__file__).parent / "presets"
 
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot be used; the message says what to change."""
+
+
+FFN_MULTIPLE = 64  # the default SwiGLU width is rounded up to a multiple of this
+
+
+def default_ffn_hidden(hidden: int) -> int:
+    """The SwiGLU width of a layer whose `ffn_hidden` is unset: 2/3 of 4 * hidden (the
+    parameters of a 4h GeLU MLP), rounded up to a multiple of `FFN_MULTIPLE`. Llama's
+    reference code rounds to 256; the presets of real models set their width explicitly,
+    so the rounding only shapes small models, and the planner plans with this rule too."""
+    raw = int(8 * hidden / 3)
+    return FFN_MULTIPLE * -(-raw // FFN_MULTIPLE)
 
 
 @dataclass(frozen=True)
@@ -34,7 +46,7 @@ class ModelConfig:
     layers: int = 4
     heads: int = 8
     kv_heads: int = 0  # 0: same as heads (multi-head attention)
-    ffn_hidden: int = 0  # 0: Llama's rule, 8/3 * hidden rounded up to a multiple of 64
+    ffn_hidden: int = 0  # 0: `default_ffn_hidden(hidden)`
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -65,10 +77,7 @@ class ModelConfig:
 
     @property
     def ffn(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        raw = int(8 * self.hidden / 3)
-        return 64 * ((raw + 63) // 64)
+        return self.ffn_hidden or default_ffn_hidden(self.hidden)
 
     @property
     def expert_ffn(self) -> int:

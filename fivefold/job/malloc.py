@@ -20,7 +20,7 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 
-from .config import MALLOC_SETTINGS
+from ..config import MALLOC_SETTINGS
 
 # mallopt's parameters (malloc.h)
 M_TRIM_THRESHOLD = -1

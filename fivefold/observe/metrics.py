@@ -18,37 +18,9 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
-from .planner.hardware import matmul_operands, measure_matmul_flops  # noqa: F401  (one measurement, re-exported)
-from .flops import (  # noqa: F401  (the FLOP count lives in flops.py; re-exported for callers)
-    active_params_per_token,
-    attention_flops_per_token,
-    attention_params,
-    mlp_params_per_token,
-    model_flops_per_token,
-)
+from ..planner.hardware import matmul_operands, measure_matmul_flops  # noqa: F401  (one measurement, re-exported)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype -> matmul dtype
-
-
-def moe_layer_count(m: ModelConfig) -> int:
-    """Layers i >= first_dense_layers with i % moe_every == moe_every - 1 (ModelConfig.is_moe_layer)."""
-    if not m.is_moe:
-        return 0
-    every, first = max(m.moe_every, 1), min(m.first_dense_layers, m.layers)
-    return m.layers // every - first // every
-
-
-def parameter_count(m: ModelConfig) -> int:
-    """Every parameter of the full model (all experts), in closed form: no loop over layers,
-    so it also sizes configurations far too large to build."""
-    shared = 3 * m.hidden * m.expert_ffn * m.shared_experts
-    moe_mlp = m.hidden * m.num_experts + 3 * m.num_experts * m.hidden * m.expert_ffn + shared
-    moe_layers = moe_layer_count(m)
-    per_layer = attention_params(m) + 2 * m.hidden  # attention and its two norms
-    layers = m.layers * per_layer + (m.layers - moe_layers) * 3 * m.hidden * m.ffn + moe_layers * moe_mlp
-    embeddings = m.vocab_size * m.hidden * (1 if m.tied_embeddings else 2)
-    return layers + embeddings + m.hidden  # + the final norm
 
 
 def machine_memory_bytes(device: str = "cpu") -> tuple[int, str]:
@@ -124,7 +96,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def per_rank_values(values: list[float], mesh) -> list[list[float]]:
     """Every rank's `values` (the same length on each rank), gathered in rank order on the world axis."""
-    from .parallel import comm
+    from ..parallel import comm
 
     mine = torch.tensor([values], dtype=torch.float64)  # (1, k)
     if mesh.world_size == 1:

@@ -11,22 +11,15 @@ policy (fivefold.precision): 4 + 4 + 8 in fp32 (and under bf16 autocast over fp3
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 
-from .precision import PrecisionPolicy
+from ..parallel.protocols import HoldsTensors
+from ..rules.precision import PrecisionPolicy
 
 FP32 = PrecisionPolicy()
-
-
-class HoldsTensors(Protocol):
-    """What memory accounting asks of an optimizer (every TrainingOptimizer is one)."""
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]: ...
-
-    def padding_bytes(self) -> dict[str, int]: ...
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .data import DataError
+from .sources import DataError
 from .packing import StepSampler
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
-from .parallel.comm import COLLECTIVE_TIMEOUT_EXIT, FLIGHT_DIR_ENV, PEER_LOST_EXIT, flight_record_path
+from ..parallel.comm import COLLECTIVE_TIMEOUT_EXIT, FLIGHT_DIR_ENV, PEER_LOST_EXIT, flight_record_path
 
 POLL_S = 0.05
 FLIGHT_RECORD_WAIT_S = 5.0  # after the first watchdog exit: time for the other ranks' records

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-from .config import Config
+from ..config import Config
+from .precision import ElementBytes, PrecisionPolicy
 
 if TYPE_CHECKING:
     import torch
 
-    from .precision import PrecisionPolicy
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
@@ -36,24 +36,7 @@ class Call(NamedTuple):
     what: str
 
 
-class ElementBytes(NamedTuple):
-    """Bytes per element of the two kinds of activation that collectives carry, under a
-    precision policy (`fivefold.precision.PrecisionPolicy.element_bytes`).
-
-    ``residual``: the residual stream and what is computed from it outside matrix
-    multiplications (the embedding's and the norms' outputs, which the next matmul reads), and
-    the gradients flowing back into them, in the wider of the parameter and compute dtypes.
-    ``compute``: what matrix multiplications produce (attention and MLP outputs, projected
-    keys and values, expert outputs) and its gradients, in the compute dtype. The two are equal
-    in fp32 and with 16-bit parameters; bf16 autocast over fp32 weights keeps the residual
-    stream in fp32 and casts only inside each matmul.
-    """
-
-    residual: int
-    compute: int
-
-
-FP32 = ElementBytes(4, 4)
+FP32 = ElementBytes(4, 4)  # bytes per element of both activation kinds in fp32
 
 
 def wire_bytes(op: str, nbytes: int, n: int) -> int:
@@ -426,7 +409,7 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
 
 
 def dp_comm_bytes_per_step(elements: int, n: int, stage: int, micro_batches: int = 1,
-                           policy: "PrecisionPolicy | None" = None, kept_elements: int = 0) -> int:
+                           policy: PrecisionPolicy | None = None, kept_elements: int = 0) -> int:
     """Ring bytes one rank sends on the data-parallel axis in one optimizer step for `elements`
     gradient/parameter elements (padding to a multiple of n included): gradients travel in the
     policy's reduction dtype, parameters in their own (fp32 for both without a policy).

@@ -75,7 +75,7 @@ def resolve_tokenizer(spec: str, use_bos: bool = True, eos_token: str | None = N
         if not (path / "tokenizer.json").is_file():
             raise DataError(f"{path} holds no tokenizer.json; give a Hugging Face model folder with a fast tokenizer, a tokenizer.json or 'bytes'")
         path = path / "tokenizer.json"
-    from .data import HFTokenizer
+    from .sources import HFTokenizer
 
     tokenizer = HFTokenizer(str(path))
     config = _tokenizer_config(path.parent / "tokenizer_config.json")

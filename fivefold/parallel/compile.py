@@ -29,10 +29,10 @@ from typing import Callable
 
 import torch
 
-from .model import Transformer
-from .model.llama import Block
-from .model.moe import MoE
-from .step import cross_entropy_sum
+from ..model import Transformer
+from ..model.llama import Block
+from ..model.moe import MoE
+from ..model.step import cross_entropy_sum
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 def layer_cost(model: ModelConfig, index: int, seq_len: int) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import Config, Layout, ModelConfig, TrainConfig, check_values, load_config
+from ..config import Config, Layout, ModelConfig, TrainConfig, check_values, load_config
 from .precision import PrecisionError, PrecisionPolicy
 from .volumes import local_kv_heads, vocab_rows_per_rank
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import DataError
+from .sources import DataError
 from .indexed import IndexedDataset
 
 _MASK64 = (1 << 64) - 1
