@@ -6,7 +6,8 @@ training loop reports afterwards are not part of the step) and its held model st
 compared with the planner's plan for that rank's own pipeline stage
 (`fivefold.planner.stages.stage_plans`), so the stages `estimate` does not report (it names
 the busiest) are checked too. The "world" axis (the global gradient norm) is not a parallel
-axis and is left out, as the dry run leaves it out (`fivefold.tools.dryrun.PLANNER_AXIS`).
+axis and is left out (`fivefold.rules.volumes.PLANNER_AXIS`), as the dry run and the logged
+metrics leave it out.
 
 Held memory is taken at the end of the backward and again after the gradient reduction, and
 each kind is held to the planner at the larger of the two, as the dry run does: ZeRO-2/3 keep
@@ -191,3 +192,26 @@ def test_every_rank_matches_the_plan_of_its_stage(pools, case):
             expected = getattr(plan.memory, kind)
             assert abs(measured.held[kind] - expected) <= 0.01 * expected, (*where, kind, measured.held[kind], expected)
 
+
+
+def _logged_comm_bytes(ctx, config) -> dict[str, int]:
+    """The per-axis bytes a training run logs for step 0 (metrics.jsonl's `comm_bytes`)."""
+    from fivefold.data.sources import Sampler, load_tokenizer, load_tokens
+    from fivefold.observe.metrics import rank_measurements
+    from fivefold.train import build, train_step
+
+    mesh = ctx.mesh(config.layout)
+    data = load_tokens(config.data, load_tokenizer("bytes"))
+    sampler = Sampler(data.train, config.train.seq_len, config.train.global_batch, config.train.seed)
+    model = build(config, mesh, torch.device("cpu"))
+    result = train_step(model, sampler, 0)
+    return rank_measurements(model, result, torch.device("cpu"), with_held=False)["comm_bytes"]
+
+
+def test_logged_bytes_per_axis_count_the_tied_embedding_over_the_pipeline(pools):
+    """metrics.jsonl's bytes per axis are the planner's, the tied embedding's gradient sum
+    between the first and last stage (axis pp_ends) included in pp, as the planner counts it."""
+    config = validate(load_config("tiny", ["model.tied_embeddings=true", "layout.pp=2", "layout.grad_accum=2"]), 2)
+    logged = pools.run(2, _logged_comm_bytes, config)[0]
+    busiest = {axis: max(int(plan.comm_bytes.get(axis, 0)) for plan in _stage_plans(config)) for axis in ("pp", "dp")}
+    assert logged == {axis: v for axis, v in busiest.items() if v}

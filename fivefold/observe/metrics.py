@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..rules.volumes import planner_axis_bytes
 from ..planner.hardware import matmul_operands, measure_matmul_flops  # noqa: F401  (one measurement, re-exported)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype -> matmul dtype
@@ -113,8 +114,6 @@ def rank_measurements(model, result, device: torch.device, with_held: bool) -> d
     - held_bytes (when `with_held`): params / grads / optimizer bytes held per rank after the
       gradient reduction.
     """
-    from .prediction import planner_axis_bytes
-
     axes = ("dp", "tp", "pp", "cp", "ep")
     mine = planner_axis_bytes(result.comm_bytes)
     values = [float(peak_memory_bytes(device))] + [float(mine.get(a, 0)) for a in axes]

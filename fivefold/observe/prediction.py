@@ -28,21 +28,6 @@ import torch
 
 from ..config import Config
 
-# comm.py axis names -> the planner's: data-parallel reductions run on dp x cp (dense) or on
-# the expert-data-parallel group (experts); "world" carries only loss and norm reporting.
-PLANNER_AXIS = {"dp_cp": "dp", "edp": "dp", "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep"}
-
-
-def planner_axis_bytes(wire: dict[str, int]) -> dict[str, int]:
-    """Bytes per comm.py axis -> bytes per planner axis (dp, tp, pp, cp, ep); "world" dropped."""
-    out: dict[str, int] = {}
-    for axis, nbytes in wire.items():
-        name = PLANNER_AXIS.get(axis)
-        if name is not None:
-            out[name] = out.get(name, 0) + nbytes
-    return out
-
-
 # The planner's hardware name for a CPU never calibrated, planned with rates measured at start.
 CPU_MEASURED_AT_START = "cpu (matmul and copy rates measured at start; `fivefold plan --calibrate` measures the rest)"
 

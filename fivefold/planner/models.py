@@ -1,4 +1,5 @@
-"""Preset model shapes and loading a `ModelSpec` from a JSON or TOML file."""
+"""Preset model shapes (the runtime's presets, and planner-only layers) and loading a `ModelSpec`
+from a JSON or TOML file."""
 
 from __future__ import annotations
 
@@ -8,36 +9,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
+from ..config import load_config, preset_names
+from .bridge import model_spec
 from .errors import PlanError, UnknownNameError, choices
 from .spec import ModelSpec
 
-_PRESETS: dict[str, ModelSpec] = {
-    # Llama 3 8B/70B/405B: Llama Team 2024, "The Llama 3 Herd of Models", Table 3
-    # (layers, model dimension, FFN dimension, heads, key/value heads, vocabulary 128,256),
-    # pre-training sequence length 8,192 (Section 3.4.1). Untied input/output embeddings.
-    "llama3-8b": ModelSpec(name="llama3-8b", arch="llama", layers=32, hidden=4096, heads=32,
-                           kv_heads=8, ffn_hidden=14336, vocab=128256, seq_len=8192),
-    "llama3-70b": ModelSpec(name="llama3-70b", arch="llama", layers=80, hidden=8192, heads=64,
-                            kv_heads=8, ffn_hidden=28672, vocab=128256, seq_len=8192),
-    "llama3-405b": ModelSpec(name="llama3-405b", arch="llama", layers=126, hidden=16384,
-                             heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256, seq_len=8192),
-    # Mixtral 8x7B: Jiang et al. 2024, "Mixtral of Experts", Table 1 (dim 4096, 32 layers,
-    # head_dim 128, 32 heads, 8 KV heads, hidden_dim 14336, vocab 32000, context 32768,
-    # 8 experts, top-2 routing in every layer).
-    "mixtral-8x7b": ModelSpec(name="mixtral-8x7b", arch="llama", layers=32, hidden=4096,
-                              heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000,
-                              seq_len=32768, num_experts=8, top_k=2, expert_ffn_hidden=14336),
-    # DeepSeek-V3: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", Section 4.2: 61 layers,
-    # hidden 7168, 128 attention heads, the first 3 layers dense (FFN 18432, from the
-    # released config), then MoE layers with 1 shared + 256 routed experts of width 2048,
-    # 8 active; vocabulary 129K (129280 in the released config); pre-training sequence
-    # length 4K. Multi-head latent attention is approximated here as standard multi-head
-    # attention with 128 heads of dimension 7168/128 = 56 (4h^2 weights per layer instead
-    # of MLA's low-rank projections), so counts differ from the published 671B/37B by a few %.
-    "deepseek-v3": ModelSpec(name="deepseek-v3", arch="llama", layers=61, hidden=7168,
-                             heads=128, ffn_hidden=18432, vocab=129280, seq_len=4096,
-                             num_experts=256, top_k=8, expert_ffn_hidden=2048,
-                             shared_experts=1, first_dense_layers=3),
+# Planner-only shapes: layers the runtime does not train. Every other preset is the runtime's
+# own (fivefold/config/presets/*.toml, with their sources), planned at its context length.
+_PLANNER_ONLY: dict[str, ModelSpec] = {
     # GPT-3 175B: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1
     # (96 layers, d_model 12288, 96 heads, context 2048); vocabulary 51200 as padded by
     # Megatron-LM (Narayanan et al. 2021, Table 1 uses V = 51,200).
@@ -45,6 +24,17 @@ _PRESETS: dict[str, ModelSpec] = {
                            vocab=51200, seq_len=2048),
 }
 
+
+def _runtime_presets() -> dict[str, ModelSpec]:
+    """The runtime's presets as the planner sees them (`bridge.model_spec`), at `max_seq_len`."""
+    presets = {}
+    for name in preset_names():
+        model = load_config(name).model
+        presets[name] = model_spec(model, model.max_seq_len)
+    return presets
+
+
+_PRESETS: dict[str, ModelSpec] = {**_runtime_presets(), **_PLANNER_ONLY}
 MODELS: Mapping[str, ModelSpec] = MappingProxyType(_PRESETS)
 _FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec))
 

@@ -38,6 +38,22 @@ class Call(NamedTuple):
 
 FP32 = ElementBytes(4, 4)  # bytes per element of both activation kinds in fp32
 
+# comm.py's axes -> the planner's five: data-parallel reductions run on dp x cp (dense
+# parameters) or on the expert-data-parallel group (experts); the tied embedding's gradient
+# sum between the first and last pipeline stages runs on pp_ends. "world" (the loss and the
+# global gradient norm) is not a parallel axis and maps to none.
+PLANNER_AXIS = {"dp_cp": "dp", "edp": "dp", "dp": "dp", "tp": "tp", "pp": "pp", "pp_ends": "pp", "cp": "cp", "ep": "ep"}
+
+
+def planner_axis_bytes(wire: dict[str, int]) -> dict[str, int]:
+    """Bytes per comm.py axis summed per planner axis (dp, tp, pp, cp, ep); "world" left out."""
+    out: dict[str, int] = {}
+    for axis, nbytes in wire.items():
+        name = PLANNER_AXIS.get(axis)
+        if name is not None:
+            out[name] = out.get(name, 0) + nbytes
+    return out
+
 
 def wire_bytes(op: str, nbytes: int, n: int) -> int:
     """Bytes one rank sends in one call, exactly as `parallel/comm.py` counts them."""

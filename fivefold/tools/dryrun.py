@@ -49,11 +49,7 @@ from ..planner import HARDWARE, Hardware
 from ..planner.bridge import layout_spec
 from ..planner.bridge import model_spec
 from ..planner.stages import StagePlan, stage_plans
-
-# comm.py's axes as the planner names them ("world" carries loss reporting and the global
-# gradient norm, which the planner leaves out; pp_ends carries the tied-embedding gradient,
-# which the planner books on pp).
-PLANNER_AXIS = {"dp_cp": "dp", "edp": "dp", "tp": "tp", "pp": "pp", "pp_ends": "pp", "cp": "cp", "ep": "ep"}
+from ..rules.volumes import planner_axis_bytes
 
 # Above these a dry run's own bookkeeping (Python objects per group, per module, per
 # schedule action) stops being small; see `check_dry_run_size`.
@@ -383,11 +379,10 @@ def run_rank(config: Config, rank: int) -> RankResult:
 
 def bytes_per_planner_axis(wire: dict[tuple[str, str], int]) -> dict[str, int]:
     """comm.py's wire bytes per (axis, op), summed per planner axis; the world axis left out."""
-    comm: dict[str, int] = {}
+    per_axis: dict[str, int] = {}
     for (axis, _op), nbytes in wire.items():
-        if axis in PLANNER_AXIS:
-            comm[PLANNER_AXIS[axis]] = comm.get(PLANNER_AXIS[axis], 0) + nbytes
-    return comm
+        per_axis[axis] = per_axis.get(axis, 0) + nbytes
+    return planner_axis_bytes(per_axis)
 
 
 # ----------------------------------------------------------------------------- the planner's side
