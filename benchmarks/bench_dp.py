@@ -295,7 +295,8 @@ def optimizer_cases(config: Config) -> dict[str, Callable[[], None]]:
     """One AdamW step over the model's parameters with random gradients: fivefold's fused update
     over one flat bucket (as dp=2 keeps it) against torch.optim.AdamW's three implementations."""
     from fivefold.parallel.mesh import Mesh as SingleMesh
-    from fivefold.parallel.data_parallel import flat_adamw_, plan_buckets, trainable
+    from fivefold.parallel.buckets import plan_buckets, trainable
+    from fivefold.parallel.flat_adamw import flat_adamw_
     from fivefold.parallel.optim import AdamWSettings
 
     t = config.train

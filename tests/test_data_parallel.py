@@ -10,13 +10,9 @@ import torch
 
 from fivefold.config import Layout, load_config
 from fivefold.parallel.mesh import Mesh
-from fivefold.parallel.data_parallel import (
-    TAIL_FRACTION,
-    DataParallelAdamW,
-    flat_adamw_,
-    plan_buckets,
-    trainable,
-)
+from fivefold.parallel.buckets import TAIL_FRACTION, plan_buckets, trainable
+from fivefold.parallel.data_parallel import DataParallelAdamW
+from fivefold.parallel.flat_adamw import flat_adamw_
 from fivefold.parallel.optim import AdamWSettings, adamw_update_, decays
 from fivefold.tools.parity import PARAM_ATOL, PARAM_RTOL, TrainTrace, assert_parity
 

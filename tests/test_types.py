@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Sequence
 
 from fivefold.observe.held_memory import HoldsTensors
-from fivefold.parallel.data_parallel import BucketAllReduce, DataParallelAdamW, FlatSynchroniser
+from fivefold.parallel.data_parallel import BucketAllReduce, DataParallelAdamW
+from fivefold.parallel.flat_adamw import FlatSynchroniser
 from fivefold.parallel.optim import LocalGradients, ReplicatedAdamW
 from fivefold.parallel.protocols import CheckpointState, GradientSynchroniser, TrainingOptimizer
 from fivefold.parallel.zero import ZeroAdamW, ZeroGradientSync

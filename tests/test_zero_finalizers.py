@@ -73,7 +73,7 @@ def _held_gradients(model) -> dict:
     """Which parameters hold .grad, the gradient bytes held, the bytes the deferred buckets (full)
     and this rank's shards of the others should take, and the number of buckets of each kind."""
     from fivefold.observe.held_memory import held_memory
-    from fivefold.parallel.data_parallel import trainable
+    from fivefold.parallel.buckets import trainable
 
     sync = model.optimizer.sync
     deferred = [b for b in sync.buckets if b.extra["deferred"]]

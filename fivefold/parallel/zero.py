@@ -1,6 +1,6 @@
 """ZeRO stages 1-3 (Rajbhandari et al. 2020) over the data-parallel group.
 
-Every bucket (see data_parallel.py) is a flat buffer padded to a multiple of its axis size
+Every bucket (see buckets.py) is a flat buffer padded to a multiple of its axis size
 n; data-parallel rank r owns the contiguous r-th 1/n of every bucket. It keeps the Adam
 moments of those elements only, receives their gradient sum by reduce-scatter, updates
 them, and (stages 1-2) all-gathers the updated parameters into the flat buffer. Those
@@ -64,10 +64,9 @@ import torch.nn as nn
 
 from .mesh import Mesh
 from . import comm
-from .data_parallel import (
+from .buckets import (
     MB,
     BucketReducer,
-    FlatAdamW,
     FlatBucket,
     Pending,
     check_replicas_identical,
@@ -79,6 +78,7 @@ from .data_parallel import (
     plan_buckets,
     trainable,
 )
+from .flat_adamw import FlatAdamW
 from .optim import AdamWSettings
 from .protocols import GradFinalizer, ParamFinalizer
 

@@ -60,7 +60,7 @@ from typing import NamedTuple
 from ..rules.precision import PrecisionError, parse_policy
 from ..rules.precision import ElementBytes
 from ..rules.volumes import local_kv_heads, ulysses_kv_heads, vocab_rows_per_rank
-from .errors import UnknownNameError, choices
+from .errors import UnknownNameError
 from .spec import LayoutSpec, ModelSpec
 
 
