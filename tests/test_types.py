@@ -15,12 +15,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from fivefold.observe.held_memory import HoldsTensors
 from fivefold.parallel.data_parallel import BucketAllReduce, DataParallelAdamW
 from fivefold.parallel.flat_adamw import FlatSynchroniser
 from fivefold.parallel.optim import LocalGradients, ReplicatedAdamW
-from fivefold.parallel.protocols import CheckpointState, GradientSynchroniser, TrainingOptimizer
-from fivefold.parallel.zero import ZeroAdamW, ZeroGradientSync
+from fivefold.parallel.protocols import CheckpointState, GradientSynchroniser, HoldsTensors, TrainingOptimizer
+from fivefold.parallel.zero import ZeroAdamW, ZeroStage1Sync, ZeroStage2Sync, ZeroStage3Sync
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = [
@@ -39,7 +38,7 @@ def _conformance(
     synchronisers: list[GradientSynchroniser] = [replicated.sync, data_parallel.sync, zero.sync]
     local: GradientSynchroniser = LocalGradients([])
     flat: list[FlatSynchroniser] = [data_parallel.sync, zero.sync]
-    flat_classes: list[type[FlatSynchroniser]] = [BucketAllReduce, ZeroGradientSync]
+    flat_classes: list[type[FlatSynchroniser]] = [BucketAllReduce, ZeroStage1Sync, ZeroStage2Sync, ZeroStage3Sync]
     del optimizers, checkpointed, measured, synchronisers, local, flat, flat_classes
 
 

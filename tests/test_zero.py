@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fivefold.observe.held_memory import zero_formula_bytes
+from fivefold.parallel.zero import ZeroStage3Sync
 from fivefold.rules.volumes import dp_comm_bytes_per_step
 from test_data_parallel import STEPS, check_parity_and_norms, run_matrix, tiny, train_configs_on_rank
 
@@ -241,19 +242,20 @@ def _buffers_in_a_backward(ctx, stage: int) -> dict:
 
     train_step(model, sampler, 0)
     full_after_forward = {}
-    if sync.gatherer:
+    units = sync.units if isinstance(sync, ZeroStage3Sync) else []
+    if units:
         tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(ctx.rank))
         logits, _ = model.chunks[0](tokens)
         full_after_forward = {
-            u.name: all(b.params.untyped_storage().nbytes() > 0 for b in u.buckets) for u in sync.units
+            u.name: all(b.params.untyped_storage().nbytes() > 0 for b in u.buckets) for u in units
         }
     else:
         logits, _ = model.chunks[0](torch.randint(0, 256, (1, 16)))
     logits.float().pow(2).mean().backward()
     model.optimizer.finish_grad_sync()
-    spares = len(sync.gatherer.spares) if sync.gatherer else 0
+    spares = len(sync.unit_gatherer.spares) if units else 0
     return {"scratch": len(sync.scratch.free), "buckets": len(sync.buckets), "lent": len(sync.scratch.lent),
-            "spares": spares, "full_after_forward": full_after_forward, "units": [u.name for u in sync.units]}
+            "spares": spares, "full_after_forward": full_after_forward, "units": [u.name for u in units]}
 
 
 @pytest.mark.parametrize("stage", [2, 3])

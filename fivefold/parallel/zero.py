@@ -5,7 +5,7 @@ n; data-parallel rank r owns the contiguous r-th 1/n of every bucket. It keeps t
 moments of those elements only, receives their gradient sum by reduce-scatter, updates
 them, and (stages 1-2) all-gathers the updated parameters into the flat buffer. Those
 all-gathers are left in flight after the step: the next forward waits for each bucket just
-before it first reads it (GathersInFlight), and every other reader of parameters calls
+before it first reads it (UpdatedParameterGathers), and every other reader of parameters calls
 `wait_for_parameters` first.
 
 - Stage 1: full gradients live in each bucket's flat buffer (the .grad are views); the
@@ -22,7 +22,7 @@ before it first reads it (GathersInFlight), and every other reader of parameters
   last block stay gathered from their forward to their backward, which follows at once.
   The next unit's gather is prefetched while the current one computes. Freeing moves the
   flat storage's memory into a kept spare and leaves the storage empty, so tensors saved for
-  backward that view it are refilled by the next gather (ParameterGatherer).
+  backward that view it are refilled by the next gather (UnitGatherer).
 
 Precision (fivefold.precision): the flat parameter buffers, the gathered parameters and
 the gradients are in the policy's parameter dtype. The update runs on fp32 master weights:
@@ -56,6 +56,7 @@ finalizers after its all-reduce, on the .grad views).
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Iterator, Sequence
 
@@ -86,7 +87,8 @@ from .protocols import GradFinalizer, ParamFinalizer
 class ZeroAdamW(FlatAdamW):
     """AdamW with optimizer state (stage 1), gradients (2) and parameters (3) sharded over dp x cp.
 
-    The flat AdamW update over this rank's shard of every bucket, fed by `ZeroGradientSync`.
+    The flat AdamW update over this rank's shard of every bucket, fed by the stage's
+    `ZeroGradientSync`.
     """
 
     sync: ZeroGradientSync
@@ -95,12 +97,26 @@ class ZeroAdamW(FlatAdamW):
         self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0,
         finalizers: Sequence[ParamFinalizer] = (),
     ) -> None:
-        super().__init__(ZeroGradientSync(chunks, mesh, settings, stage, bucket_mb, finalizers), mesh, settings)
+        super().__init__(zero_sync(chunks, mesh, settings, stage, bucket_mb, finalizers), mesh, settings)
 
 
-class ZeroGradientSync:
-    """ZeRO's gradient synchronisation: reduce-scatter into this rank's shards (stages 1-3),
-    the all-gather of the updated parameters (1-2) or their gathering around use (3).
+def zero_sync(
+    chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0,
+    finalizers: Sequence[ParamFinalizer] = (),
+) -> ZeroGradientSync:
+    """The gradient synchroniser of ZeRO stage `stage`."""
+    stages: dict[int, type[ZeroGradientSync]] = {1: ZeroStage1Sync, 2: ZeroStage2Sync, 3: ZeroStage3Sync}
+    if stage not in stages:
+        raise ValueError(f"ZeRO stage {stage} does not exist; use 1, 2 or 3 (0 is DataParallelAdamW)")
+    return stages[stage](chunks, mesh, settings, bucket_mb, finalizers)
+
+
+class ZeroGradientSync(ABC):
+    """What every ZeRO stage shares: this rank owns a shard of every bucket, receives the
+    gradient sum of that shard by reduce-scatter, and runs the gradient finalizers before the
+    reduction of the buckets they read. Stages 1-2 keep whole parameters in the flat buffers
+    and all-gather the updated shards after the step (`UpdatedParameterGathers`); stage 3
+    overrides that.
 
     Expert parameters (Placement replicated over "edp") are sharded over the expert data
     parallel group instead; nothing here names a layer type, so modules swapped in by other
@@ -108,23 +124,17 @@ class ZeroGradientSync:
     """
 
     sharded = True
+    shards_parameters = False
+    stage = 0
+    per_backward = False  # stages 2-3 reduce every backward, micro-batches included
 
     def __init__(
-        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, stage: int, bucket_mb: float = 25.0,
+        self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, bucket_mb: float = 25.0,
         finalizers: Sequence[ParamFinalizer] = (),
     ) -> None:
-        if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage {stage} does not exist; use 1, 2 or 3 (0 is DataParallelAdamW)")
-        self.settings, self.stage = settings, stage
-        self.shards_parameters = stage == 3
+        self.settings = settings
         finalized = {id(p) for finalize in finalizers for p in finalize.params()}
-        self.units: list[Unit] = build_units(chunks, mesh, finalized) if stage == 3 else []
-        if stage == 3:  # backward completes the last unit first
-            self.buckets = [b for unit in reversed(self.units) for b in unit.buckets]
-            for i, bucket in enumerate(self.buckets):
-                bucket.index = i
-        else:
-            self.buckets = plan_chunk_buckets(chunks, mesh, int(bucket_mb * MB), finalized)
+        self.buckets = self._plan_buckets(chunks, mesh, int(bucket_mb * MB), finalized)
         check_replicas_identical(self.buckets)
         for bucket in self.buckets:
             bucket.flatten_params_()
@@ -132,42 +142,44 @@ class ZeroGradientSync:
         self._initial = [self._initial_shard(b, lo, hi) for b, (lo, hi) in zip(self.buckets, self.ranges)]
         for bucket in self.buckets:
             bucket.cast_params_(settings.param_dtype)
-            if stage == 1:
-                bucket.attach_grad_views_()
-        # Stage 3: this rank's shard in the parameters' dtype, which the all-gathers read.
-        self.param_shards = [m.to(settings.param_dtype) for m in self._initial] if stage == 3 else []
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
-        # Stages 2-3: where each bucket's reduced shard is kept (from its first reduction in a step
-        # to zero_grad), and the packing/receive buffers their reductions reuse within a step.
-        self.grad_store: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self.scratch = ScratchBuffers()
-        self.in_flight: list[Pending] = []
-        self.packing: dict[int, tuple[torch.Tensor, set[int]]] = {}  # bucket index -> (buffer, segments packed)
         self.grad_finalizers: list[GradFinalizer] = list(finalizers)
         self.declared_finalizers: list[GradFinalizer] = list(finalizers)  # their parameters are bucketed apart
-        self.gatherer = ParameterGatherer(self.units, self.param_shards, self.buckets) if stage == 3 else None
-        # Stages 1-2: the all-gathers of the updated parameters, waited for by the next forward.
-        self.gathers = GathersInFlight(chunks, self.buckets) if stage < 3 else None
-        on_complete = self.gatherer.bucket_complete if self.gatherer else None
-        if stage >= 2:  # registered first: the reducer's hook may launch the bucket this gradient completes
-            self._pack_on_arrival()
-        self.reducer = BucketReducer(self.buckets, self._launch, on_complete, self._deferred, per_backward=stage >= 2)
-        if self.gatherer:
-            self.gatherer.free_all()
+        self._prepare(chunks)
+        self.reducer = BucketReducer(self.buckets, self._launch, self._bucket_complete, self._deferred,
+                                     per_backward=self.per_backward)
+
+    # ------------------------------------------------------------------ what a stage decides
+
+    def _plan_buckets(self, chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int,
+                      finalized: AbstractSet[int]) -> list[FlatBucket]:
+        return plan_chunk_buckets(chunks, mesh, bucket_bytes, finalized)
 
     def _initial_shard(self, bucket: FlatBucket, lo: int, hi: int) -> torch.Tensor:
-        # This rank's fp32 values, taken before the flat buffer is cast. Stages 1-2 with fp32
-        # parameters update a view of the flat buffer; stage 3 keeps the shard apart (the flat
-        # buffer is freed between uses).
-        if self.stage == 3:
-            return flat_params(bucket)[lo:hi].clone()
+        """This rank's fp32 values, taken before the flat buffer is cast: with fp32 parameters
+        stages 1-2 update a view of the flat buffer."""
         return flat_params(bucket)[lo:hi]
+
+    def _prepare(self, chunks: list[nn.Module]) -> None:
+        """After the buckets are built and cast, before the reducer hooks in."""
+        self.gathers = UpdatedParameterGathers(chunks, self.buckets)
+
+    @abstractmethod
+    def _launch(self, bucket: FlatBucket) -> Pending:
+        """Start the reduction of a bucket whose gradients are complete."""
+
+    @abstractmethod
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The parameter and gradient storage this rank holds (observe/held_memory.py)."""
+
+    def _bucket_complete(self, bucket: FlatBucket) -> None:
+        """Every gradient of `bucket` has arrived in this backward (reduced or not)."""
+
+    # ------------------------------------------------------------------ gradient reduction
 
     def take_initial_values(self) -> list[torch.Tensor]:
         initial, self._initial = self._initial, []
         return initial
-
-    # ------------------------------------------------------------------ gradient reduction
 
     def _deferred(self, bucket: FlatBucket) -> bool:
         """Whether `bucket` is reduced once per step, after the finalizers: it holds parameters a
@@ -176,24 +188,132 @@ class ZeroGradientSync:
             all(f is not known for known in self.declared_finalizers) for f in self.grad_finalizers
         )
 
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.reducer.no_sync()
+
+    def finish(self) -> None:
+        # Finalizers (tp sums, tied embeddings) work on the full local .grad of their parameters,
+        # which the deferred buckets still hold: they run first, then those buckets are reduced.
+        for finalize in self.grad_finalizers:
+            finalize()
+        self.reducer.finish()
+        # The update next writes this rank's slice, which a gather no forward waited for may still be sending.
+        self.wait_for_parameters()
+
+    def reduced_grads(self) -> list[torch.Tensor | None]:
+        return self.grad_shards
+
+    # ------------------------------------------------------------------ parameters
+
+    def publish(self, masters: list[torch.Tensor]) -> None:
+        """Make the parameters the (cast) master weights: issue their all-gathers, which the next
+        forward waits for (see UpdatedParameterGathers)."""
+        self.gathers.wait_all()  # a bucket that no forward read since the last step
+        for i in self.gathers.order:  # the buckets the next forward reads first are gathered first
+            bucket, master, (lo, hi) = self.buckets[i], masters[i], self.ranges[i]
+            flat = flat_params(bucket)
+            own = flat[lo:hi]
+            if master.data_ptr() != own.data_ptr():  # bf16 parameters: the fp32 master, cast into place
+                own.copy_(master)
+            # In place: every rank's slice of the flat storage is already where it belongs.
+            self.gathers.issue(i, comm.all_gather_into(flat, own, bucket.axis, async_op=True))
+
+    def wait_for_parameters(self) -> None:
+        self.gathers.wait_all()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Inside, every parameter holds its full local value; e.g. for gather_full_state."""
+        self.wait_for_parameters()
+        yield
+
+    def zero_grad(self) -> None:
+        self.grad_shards = [None] * len(self.buckets)
+
+    def padding_bytes(self) -> dict[str, int]:
+        """Bytes of the held tensors that are padding, not parameters."""
+        padding = self._padding_elements()
+        precision = self.settings.precision
+        return {"params": padding["params"] * precision.param_bytes, "grads": padding["grads"] * precision.grad_bytes,
+                "optimizer": padding["shard"] * precision.optimizer_bytes()}  # Adam's moments (+ the fp32 master)
+
+    def _padding_elements(self) -> dict[str, int]:
+        """Padding elements: of the whole buckets, of this rank's shards, of the held gradients."""
+        full = sum(b.padding for b in self.buckets)
+        shard = sum(self._shard_padding())
+        return {"params": full, "shard": shard, "grads": full}
+
+    def _shard_padding(self) -> list[int]:
+        return [max(0, hi - max(lo, b.used)) for b, (lo, hi) in zip(self.buckets, self.ranges)]
+
+
+class ZeroStage1Sync(ZeroGradientSync):
+    """Stage 1: full gradients live in each bucket's flat buffer (the .grad are views), are
+    accumulated there over the micro-batches inside `no_sync()`, and are reduce-scattered once
+    per step into this rank's slice of that buffer."""
+
+    stage = 1
+
+    def _prepare(self, chunks: list[nn.Module]) -> None:
+        for bucket in self.buckets:
+            bucket.attach_grad_views_()
+        super()._prepare(chunks)
+
     def _launch(self, bucket: FlatBucket) -> Pending:
         i = bucket.index
-        if self.stage == 1:
-            bucket.fill_missing_grads_()  # unused parameters: zeros, not last step's values
-            wire = flat_grads(bucket).to(self.settings.reduce_dtype)  # the buffer itself when the dtypes agree
-            lo, hi = self.ranges[i]
-            # In place: the sum lands in this rank's slice of the buffer it was summed from; the next
-            # backward overwrites every slice (see release_grads_), so the collective may overwrite them.
-            work = comm.reduce_scatter_into(wire[lo:hi], wire, bucket.axis, async_op=True, overwrite_input=True)
+        bucket.fill_missing_grads_()  # unused parameters: zeros, not last step's values
+        wire = flat_grads(bucket).to(self.settings.reduce_dtype)  # the buffer itself when the dtypes agree
+        lo, hi = self.ranges[i]
+        # In place: the sum lands in this rank's slice of the buffer it was summed from; the next
+        # backward overwrites every slice (see release_grads_), so the collective may overwrite them.
+        work = comm.reduce_scatter_into(wire[lo:hi], wire, bucket.axis, async_op=True, overwrite_input=True)
 
-            def land() -> None:
-                own = flat_grads(bucket)[lo:hi]
-                if wire is not bucket.grads:
-                    own.copy_(wire[lo:hi])  # the sum, stored back in the gradients' dtype
-                self.grad_shards[i] = own
+        def land() -> None:
+            own = flat_grads(bucket)[lo:hi]
+            if wire is not bucket.grads:
+                own.copy_(wire[lo:hi])  # the sum, stored back in the gradients' dtype
+            self.grad_shards[i] = own
 
-            return Pending(work, land, keep=(wire,))
-        return self._launch_packed(bucket)
+        return Pending(work, land, keep=(wire,))
+
+    def finish(self) -> None:
+        for bucket in self.buckets:  # finalizers write .grad in place: it must view the buffer
+            if self._deferred(bucket):
+                bucket.fill_missing_grads_()
+        super().finish()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for bucket in self.buckets:
+            bucket.release_grads_()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The parameter and gradient storage this rank holds (observe/held_memory.py)."""
+        return {"params": [flat_params(b) for b in self.buckets], "grads": [flat_grads(b) for b in self.buckets]}
+
+
+class ZeroStage2Sync(ZeroGradientSync):
+    """Stage 2: gradients are produced by autograd per parameter; when a bucket is complete they
+    are packed, reduce-scattered and dropped, and the result is added to this rank's kept
+    gradient shard. This happens for every backward, micro-batches included, so a rank never
+    holds more than one backward's full gradients (but those of the parameters gradient
+    finalizers read, in deferred buckets)."""
+
+    stage = 2
+    per_backward = True
+
+    def _prepare(self, chunks: list[nn.Module]) -> None:
+        self._prepare_packing()
+        super()._prepare(chunks)
+
+    def _prepare_packing(self) -> None:
+        # Where each bucket's reduced shard is kept (from its first reduction in a step to
+        # zero_grad), and the packing/receive buffers their reductions reuse within a step.
+        self.grad_store: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.scratch = ScratchBuffers()
+        self.in_flight: list[Pending] = []
+        self.packing: dict[int, tuple[torch.Tensor, set[int]]] = {}  # bucket index -> (buffer, segments packed)
+        self._pack_on_arrival()  # registered before the reducer's hooks, which may launch the bucket
 
     def _pack_on_arrival(self) -> None:
         for bucket in self.buckets:
@@ -201,10 +321,10 @@ class ZeroGradientSync:
                 bucket.segments[k].param.register_post_accumulate_grad_hook(self._packer(bucket, k))
 
     def _packer(self, bucket: FlatBucket, k: int) -> Callable[[torch.Tensor], None]:
-        """Stages 2-3: copy each gradient into its bucket's packing buffer as soon as autograd has
-        it and drop the .grad (as DeepSpeed's stage 2 does), so a bucket's worth of separate
-        gradients never lives at once. Not in deferred buckets: finalizers need their full .grad
-        until finish_grad_sync, and such a bucket is packed from .grad at launch then."""
+        """Copy each gradient into its bucket's packing buffer as soon as autograd has it and drop
+        the .grad (as DeepSpeed's stage 2 does), so a bucket's worth of separate gradients never
+        lives at once. Not in deferred buckets: finalizers need their full .grad until
+        finish_grad_sync, and such a bucket is packed from .grad at launch then."""
         seg = bucket.segments[k]
 
         def hook(param: torch.Tensor) -> None:
@@ -238,8 +358,8 @@ class ZeroGradientSync:
                 packed[seg.start : seg.end].zero_()
         return packed
 
-    def _launch_packed(self, bucket: FlatBucket) -> Pending:
-        """Stages 2-3: reduce-scatter the bucket's packed gradients (the .grad are dropped).
+    def _launch(self, bucket: FlatBucket) -> Pending:
+        """Reduce-scatter the bucket's packed gradients (the .grad are dropped).
 
         The first backward of a step reduces straight into the kept shard; later ones (gradient
         accumulation) into a scratch shard that is then added. Packing and receive buffers come
@@ -281,107 +401,92 @@ class ZeroGradientSync:
             store = self.grad_store[i] = torch.empty(numel, dtype=self.settings.param_dtype, device=device)
         return store
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self.reducer.no_sync()
-
     def finish(self) -> None:
-        # Finalizers (tp sums, tied embeddings) work on the full local .grad of their parameters,
-        # which the deferred buckets still hold: they run first, then those buckets are reduced.
-        if self.stage == 1:  # finalizers write .grad in place; stage 1's must stay views of the buffer
-            for bucket in self.buckets:
-                if self._deferred(bucket):
-                    bucket.fill_missing_grads_()
-        for finalize in self.grad_finalizers:
-            finalize()
-        self.reducer.finish()
+        super().finish()
         self.in_flight = []  # every reduction has landed (the reducer waited for all)
-        # The update next writes this rank's slice, which a gather no forward waited for may still be sending.
-        self.wait_for_parameters()
-        if self.gatherer:
-            self.gatherer.free_all()
-
-    def reduced_grads(self) -> list[torch.Tensor | None]:
-        return self.grad_shards
-
-    # ------------------------------------------------------------------ parameters
-
-    def publish(self, masters: list[torch.Tensor]) -> None:
-        """Make the parameters the (cast) master weights: issue their all-gathers (stages 1-2;
-        the next forward waits for them, see GathersInFlight), or refresh this rank's shard
-        (stage 3 gathers lazily, before the next forward)."""
-        if self.stage == 3:
-            for shard, master in zip(self.param_shards, masters):
-                if shard is not master:
-                    shard.copy_(master)
-            return
-        assert self.gathers is not None
-        self.gathers.wait_all()  # a bucket that no forward read since the last step
-        for i in self.gathers.order:  # the buckets the next forward reads first are gathered first
-            bucket, master, (lo, hi) = self.buckets[i], masters[i], self.ranges[i]
-            flat = flat_params(bucket)
-            own = flat[lo:hi]
-            if master.data_ptr() != own.data_ptr():  # bf16 parameters: the fp32 master, cast into place
-                own.copy_(master)
-            # In place: every rank's slice of the flat storage is already where it belongs.
-            self.gathers.issue(i, comm.all_gather_into(flat, own, bucket.axis, async_op=True))
-
-    def wait_for_parameters(self) -> None:
-        if self.gathers is not None:
-            self.gathers.wait_all()
 
     def zero_grad(self) -> None:
-        self.grad_shards = [None] * len(self.buckets)
-        # Stages 2-3: the reduced shards and the scratch buffers are given up between steps, so
-        # that the next forward (the activations' peak) runs without them.
+        super().zero_grad()
+        # The reduced shards and the scratch buffers are given up between steps, so that the
+        # next forward (the activations' peak) runs without them.
         self.grad_store = [None] * len(self.buckets)
         self.scratch.free.clear()
         for bucket in self.buckets:
-            if self.stage == 1:
-                bucket.release_grads_()
-            else:
-                for seg in bucket.segments:
-                    seg.param.grad = None
+            for seg in bucket.segments:
+                seg.param.grad = None
 
-    # ------------------------------------------------------------------ full parameters, memory
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The parameter and gradient storage this rank holds: the kept shards from their first
+        reduction on (observe/held_memory.py)."""
+        return {"params": [flat_params(b) for b in self.buckets], "grads": [g for g in self.grad_store if g is not None]}
+
+    def _padding_elements(self) -> dict[str, int]:
+        # Only the shards kept so far (a deferred bucket's is made at the end of the step).
+        held = sum(n for n, g in zip(self._shard_padding(), self.grad_store) if g is not None)
+        return {**super()._padding_elements(), "grads": held}
+
+
+class ZeroStage3Sync(ZeroStage2Sync):
+    """Stage 3: stage 2's gradients, and parameters sharded too. Each transformer block, plus
+    the rest of a chunk (embedding, final norm, head) as its "root" unit, is gathered before
+    its forward and freed after it, gathered again when the gradient reaches its output, and
+    freed once all its parameter gradients are in (see `UnitGatherer`). This rank keeps its
+    shard in the parameters' dtype, the source of the all-gathers."""
+
+    stage = 3
+    shards_parameters = True
+
+    def _plan_buckets(self, chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int,
+                      finalized: AbstractSet[int]) -> list[FlatBucket]:
+        self.units = build_units(chunks, mesh, finalized)
+        buckets = [b for unit in reversed(self.units) for b in unit.buckets]  # backward completes the last unit first
+        for i, bucket in enumerate(buckets):
+            bucket.index = i
+        return buckets
+
+    def _initial_shard(self, bucket: FlatBucket, lo: int, hi: int) -> torch.Tensor:
+        return flat_params(bucket)[lo:hi].clone()  # apart: the flat buffer is freed between uses
+
+    def _prepare(self, chunks: list[nn.Module]) -> None:
+        self.param_shards = [m.to(self.settings.param_dtype) for m in self._initial]
+        self._prepare_packing()
+        self.unit_gatherer = UnitGatherer(self.units, self.param_shards, self.buckets)
+        self.unit_gatherer.free_all()
+
+    def _bucket_complete(self, bucket: FlatBucket) -> None:
+        self.unit_gatherer.bucket_complete(bucket)
+
+    def finish(self) -> None:
+        super().finish()
+        self.unit_gatherer.free_all()
+
+    def publish(self, masters: list[torch.Tensor]) -> None:
+        """Refresh this rank's shards; the next forward gathers them around use."""
+        for shard, master in zip(self.param_shards, masters):
+            if shard is not master:
+                shard.copy_(master)
+
+    def wait_for_parameters(self) -> None:
+        pass  # nothing is gathered after the step: units are gathered around their use
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Inside, every parameter holds its full local value; e.g. for gather_full_state."""
-        if self.gatherer is None:
-            self.wait_for_parameters()
-            yield
-            return
-        self.gatherer.gather_all()
+        self.unit_gatherer.gather_all()
         try:
             yield
         finally:
-            self.gatherer.free_all()
+            self.unit_gatherer.free_all()
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The parameter and gradient storage this rank holds (fivefold.held_memory)."""
-        params = [flat_params(b) for b in self.buckets] + self.param_shards
-        # Stages 2-3: the kept shards, held from their first reduction on.
-        grads = [g for g in (self.grad_store if self.stage >= 2 else self.grad_shards) if g is not None]
-        if self.stage == 1:
-            grads += [flat_grads(b) for b in self.buckets]
-        return {"params": params, "grads": grads}
+        held = super().held_tensors()
+        return {**held, "params": held["params"] + self.param_shards}
 
-    def padding_bytes(self) -> dict[str, int]:
-        """Bytes of the held tensors that are padding, not parameters."""
-        full = sum(b.padding for b in self.buckets)  # elements
-        shard_padding = [max(0, hi - max(lo, b.used)) for b, (lo, hi) in zip(self.buckets, self.ranges)]
-        shard = sum(shard_padding)
-        # Stages 2-3: only the shards kept so far (a deferred bucket's is made at the end of the step).
-        held = sum(n for n, g in zip(shard_padding, self.grad_store) if g is not None)
-        precision = self.settings.precision
-        return {
-            "params": (shard if self.stage == 3 else full) * precision.param_bytes,
-            "grads": (full if self.stage == 1 else held) * precision.grad_bytes,
-            "optimizer": shard * precision.optimizer_bytes(),  # Adam's moments (+ the fp32 master)
-        }
+    def _padding_elements(self) -> dict[str, int]:
+        padding = super()._padding_elements()
+        return {**padding, "params": padding["shard"]}
 
 
-class GathersInFlight:
+class UpdatedParameterGathers:
     """Stages 1-2: the all-gathers of the updated parameters, left in flight after the step.
 
     Waiting for all of them at the end of the step would expose the whole gather; instead each
@@ -531,19 +636,19 @@ def split_finalized(
 
 
 @dataclass
-class Unit:
+class GatherUnit:
     """Parameters gathered and freed together: one block, or a chunk's remaining parameters."""
 
     name: str
     module: nn.Module
     buckets: list[FlatBucket]
-    next_forward: "Unit | None" = None  # the unit whose forward follows, within the chunk
-    next_backward: "Unit | None" = None  # the unit to gather ahead when this one's backward begins
+    next_forward: "GatherUnit | None" = None  # the unit whose forward follows, within the chunk
+    next_backward: "GatherUnit | None" = None  # the unit to gather ahead when this one's backward begins
     kept_for_backward: bool = False  # stays gathered from its forward to its backward (see build_units)
     extra: dict = field(default_factory=dict)
 
 
-def build_units(chunks: list[nn.Module], mesh: Mesh, finalized: AbstractSet[int] = frozenset()) -> list[Unit]:
+def build_units(chunks: list[nn.Module], mesh: Mesh, finalized: AbstractSet[int] = frozenset()) -> list[GatherUnit]:
     """Units in forward order: per chunk its root (embedding, norm, head), then each block.
 
     A chunk without `layers` is one unit. Each unit has one padded bucket per data axis, and
@@ -555,7 +660,7 @@ def build_units(chunks: list[nn.Module], mesh: Mesh, finalized: AbstractSet[int]
     the embedding's gradient last, the whole backward anyway). The root's backward therefore
     gathers ahead the block before the last.
     """
-    units: list[Unit] = []
+    units: list[GatherUnit] = []
     for c, chunk in enumerate(chunks):
         layers = getattr(chunk, "layers", None)
         blocks = dict(layers.items()) if isinstance(layers, nn.ModuleDict) else {}
@@ -564,7 +669,7 @@ def build_units(chunks: list[nn.Module], mesh: Mesh, finalized: AbstractSet[int]
         members = [(f"chunk{c}.root", chunk, root)] if root else []
         for key, block in blocks.items():
             members.append((f"chunk{c}.layers.{key}", block, [(f"layers.{key}.{n}", p) for n, p in trainable([block])]))
-        chunk_units = [Unit(name, module, _unit_buckets(named, mesh, c, finalized))
+        chunk_units = [GatherUnit(name, module, _unit_buckets(named, mesh, c, finalized))
                        for name, module, named in members if named]
         for a, b in zip(chunk_units, chunk_units[1:]):
             a.next_forward, b.next_backward = b, a
@@ -607,7 +712,7 @@ class _GatherBeforeBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class ParameterGatherer:
+class UnitGatherer:
     """Gathers and frees stage-3 units around their forward and backward, with prefetch.
 
     A bucket is "free" (flat storage of size 0), "gathering" (an all-gather in flight) or
@@ -625,7 +730,7 @@ class ParameterGatherer:
     zeroing, and heap trimming that makes the compute's own allocations fault too).
     """
 
-    def __init__(self, units: list[Unit], shards: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
+    def __init__(self, units: list[GatherUnit], shards: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
         self.units = units
         self.shard_of = {id(b): s for b, s in zip(buckets, shards)}
         self.status = {id(b): "full" for b in buckets}
@@ -637,7 +742,7 @@ class ParameterGatherer:
             unit.module.register_forward_pre_hook(self._pre_forward(unit))
             unit.module.register_forward_hook(self._post_forward(unit))
 
-    def gather_async(self, unit: Unit | None) -> None:
+    def gather_async(self, unit: GatherUnit | None) -> None:
         if unit is None:
             return
         for b in unit.buckets:
@@ -647,7 +752,7 @@ class ParameterGatherer:
                 self.works[id(b)] = comm.all_gather_into(flat, self.shard_of[id(b)], b.axis, async_op=True)
                 self.status[id(b)] = "gathering"
 
-    def ensure_full(self, unit: Unit, then: Unit | None = None) -> None:
+    def ensure_full(self, unit: GatherUnit, then: GatherUnit | None = None) -> None:
         """Make `unit` full; `then` (the unit needed next) is issued before waiting, so its
         gather queues right behind this one's instead of after the computation that follows."""
         self.gather_async(unit)
@@ -693,7 +798,7 @@ class ParameterGatherer:
             del self.completed[id(unit)]
             self.free_unit(unit)
 
-    def free_unit(self, unit: Unit) -> None:
+    def free_unit(self, unit: GatherUnit) -> None:
         for b in unit.buckets:
             self.free_bucket(b)
 
@@ -708,13 +813,13 @@ class ParameterGatherer:
         for unit in self.units:
             self.ensure_full(unit)
 
-    def _pre_forward(self, unit: Unit) -> Callable:
+    def _pre_forward(self, unit: GatherUnit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             self.ensure_full(unit, then=unit.next_forward)
 
         return hook
 
-    def _post_forward(self, unit: Unit) -> Callable:
+    def _post_forward(self, unit: GatherUnit) -> Callable:
         def before_backward() -> None:
             self.ensure_full(unit, then=unit.next_backward)
 
