@@ -415,13 +415,11 @@ def measure_bubbles(measured: dict, mesh: Mesh, latency: float, repeats: int = 5
     for name, (model, micro, busy, ours, theirs) in measured.items():
         ff, tt, cpu_ff, cpu_tt, other_ff, other_tt = [], [], [], [], [], []
         for _ in range(repeats):
-            model.runner.timeline = CpuTimeline()
             comm.all_reduce(torch.zeros(1), mesh.pp)
             thread = time.thread_time()
-            with _cpu_seconds(mesh, cpu_ff, other_ff):
+            with _cpu_seconds(mesh, cpu_ff, other_ff), model.runner.recording(CpuTimeline()) as timeline:
                 ours()
             main = time.thread_time() - thread
-            timeline, model.runner.timeline = model.runner.timeline, None
             cpu_rows = [None] * mesh.pp.size
             dist.all_gather_object(cpu_rows, (timeline.cpu, main), group=mesh.pp.group)
             share = [sum(actions.values()) / spent for actions, spent in cpu_rows]  # the actions' part of the step
@@ -504,17 +502,6 @@ def idle_breakdown(rows: list) -> list[dict[str, float]]:
         out.append({"busy": sum(e.seconds for e in compute), "start": first, "end": span - last,
                     "transfers": transfers, "between": inside - transfers})
     return out
-
-
-def retain_freed_memory() -> None:
-    """glibc: serve large tensors from the heap and never trim it (what jemalloc/tcmalloc do)."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except OSError:
-        raise SystemExit("--malloc retain tunes glibc's allocator (Linux); run with --malloc default here") from None
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 1 << 30)
-    mallopt(m_trim_threshold, 1 << 62)
 
 
 def main() -> None:

@@ -136,7 +136,7 @@ def parallelize(config: Config, mesh: Mesh, device: torch.device | str = "cpu") 
     if layout.pp > 1:
         from .parallel.pipeline import PipelineRunner
 
-        model.runner = PipelineRunner(model)
+        model.runner = PipelineRunner(config, mesh, chunks, optimizer, model.loss_fn, device)
     return model
 
 

@@ -46,7 +46,7 @@ class StepResult:
 
 
 def local_micro_batches(model: ParallelModel, sampler: Sampler, step: int) -> list[MicroBatch]:
-    """This rank's micro-batches of step `step`: its data-parallel rows, its sequence chunk."""
+    """This rank's micro-batches of step `step`: its data-parallel rows, its sequence segment(s)."""
     mesh, layout = model.mesh, model.config.layout
     inputs, targets, documents = sampler.local_rows_at(step, mesh.dp.rank, mesh.dp.size)
     device = model.device

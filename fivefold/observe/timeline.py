@@ -230,11 +230,8 @@ def trace_step(model: ParallelModel, run_dir: Path, enabled: bool) -> Iterator[N
             print("train.trace records pipeline stages; nothing to trace with pp=1")
         yield
         return
-    runner.timeline = Timeline()
-    try:
+    with runner.recording(Timeline()) as timeline:
         yield
-    finally:
-        timeline, runner.timeline = runner.timeline, None
     rows = gather_rows(timeline, model.mesh.pp)
     if model.mesh.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -73,15 +73,14 @@ from ..rules.stages import stage_layer_ids as split_ids
 from . import comm
 from .deferred import PendingWeightGrad, deferred_linear, weight_grad
 from .optim import TORCH_DTYPES
-from .protocols import ParamFinalizer
+from .protocols import ParamFinalizer, TrainingOptimizer
 from ..rules.schedules import Action, ActionKind, build_schedule, group_steps, stage_of
 from ..model.step import autocast_for, sequence_scale, token_scale
 from .sharding import get_placement, set_placement
 
-K = ActionKind
 TIED_AXIS = "pp_ends"  # the first and last pipeline ranks, which both hold the tied embedding
-SEND_KINDS = (K.SEND_ACT, K.SEND_GRAD)
-RECV_KINDS = (K.RECV_ACT, K.RECV_GRAD)
+SEND_KINDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
+RECV_KINDS = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
 # Receives kept posted ahead per peer (one stage-boundary buffer each). gloo's sender waits
 # until the receiver has posted its receive: one posted at its consumer costs a round trip
 # between the two processes' transfer threads (0.3-0.7 ms idle, more on busy cores, on the
@@ -348,7 +347,7 @@ def forward_only(actions: list[Action]) -> list[Action]:
     Dropping the backward computes and gradient transfers keeps the one global order of
     the remaining transfers, so the shorter table cannot deadlock either.
     """
-    keep = (K.FORWARD, K.SEND_ACT, K.RECV_ACT)
+    keep = (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
     return [a for a in actions if a.kind in keep]
 
 
@@ -405,14 +404,30 @@ class StepMemory:
     peak_saved_bytes: int  # 0 unless `measure_memory` was set
 
 
-class PipelineRunner:
-    """Runs this rank's list of the configured schedule for one step (or evaluation)."""
+class StepRecorder(Protocol):
+    """What the runner reports while it runs a step (observe/timeline.py's `Timeline` is one)."""
 
-    def __init__(self, model) -> None:
-        config, mesh = model.config, model.mesh
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def record(self, kind: str, microbatch: int, chunk: int) -> contextlib.AbstractContextManager: ...
+
+
+class PipelineRunner:
+    """Runs this rank's list of the configured schedule for one step (or evaluation).
+
+    `optimizer` is asked only for `no_sync()` (gradient reductions wait for the last backward
+    of each chunk); `loss_fn` turns the last stage's output into the summed token loss.
+    """
+
+    def __init__(
+        self, config: Config, mesh: Mesh, chunks: list[Transformer], optimizer: TrainingOptimizer,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+    ) -> None:
         layout = config.layout
-        self.model, self.config, self.mesh = model, config, mesh
-        self.chunks: list[Transformer] = model.chunks
+        self.config, self.mesh, self.chunks = config, mesh, chunks
+        self.optimizer, self.loss_fn, self.device = optimizer, loss_fn, device
         self.pp, self.vpp, self.rank = layout.pp, layout.vpp, mesh.pp.rank
         self.num_microbatches = layout.grad_accum
         self.last_stage = layout.pp * layout.vpp - 1
@@ -431,16 +446,25 @@ class PipelineRunner:
         # under train.compile: a compiled block's backward is one node that computes its
         # weight gradients with its input gradient.
         self.split_weight_grads = (
-            any(a.kind is K.BACKWARD_WEIGHT for a in row) and layout.recompute != "full" and not config.train.compile
+            any(a.kind is ActionKind.BACKWARD_WEIGHT for a in row) and layout.recompute != "full" and not config.train.compile
         )
         self.params_reversed = [params[::-1] for params in self.params]  # W accumulates as backward would
         self.deferrals = [WeightGradDeferral(chunk) for chunk in self.chunks] if self.split_weight_grads else []
-        self.timeline: Any = None  # a fivefold.tools.timeline.Timeline (a tool, above this layer) to record the next steps
+        self.recorder: StepRecorder | None = None  # set by `recording`
         self.measure_memory = False
         self.memory = StepMemory(0, 0)
         mark_tied_copies(self.chunks, config.model)  # parallelize() registers tied_gradient_finalizer
 
     # ----------------------------------------------------------------- public entry points
+
+    @contextlib.contextmanager
+    def recording(self, recorder: StepRecorder) -> Iterator[StepRecorder]:
+        """Report every step run inside to `recorder` (a timeline: each compute and transfer)."""
+        self.recorder = recorder
+        try:
+            yield recorder
+        finally:
+            self.recorder = None
 
     def run(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of every micro-batch. Returns this rank's (CE sum, aux sum)."""
@@ -465,18 +489,18 @@ class PipelineRunner:
                 f"the pipeline schedule was built for {self.num_microbatches} micro-batches "
                 f"(layout.grad_accum), got {len(micro_batches)}"
             )
-        device = self.model.device
+        device = self.device
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        if self.timeline is not None:
+        if self.recorder is not None:
             comm.all_reduce(torch.zeros(1), self.mesh.pp)  # line the stages up: a common time zero
-            self.timeline.start()
+            self.recorder.start()
         return _StepState(list(micro_batches), zero.clone(), zero.clone())
 
     def _finish(self, st: _StepState) -> None:
-        with self._record("comm", Action(K.SEND_ACT, -1)):
+        with self._record("comm", Action(ActionKind.SEND_ACT, -1)):
             self._complete_sends(st, wait=True)
-        if self.timeline is not None:
-            self.timeline.stop()
+        if self.recorder is not None:
+            self.recorder.stop()
         left = {k: len(v) for k, v in (("units", st.units), ("acts", st.acts), ("grads", st.grads),
                                        ("input_grads", st.input_grads), ("arrivals", st.arrivals),
                                        ("posted receives", st.recv_peers)) if v}
@@ -496,13 +520,13 @@ class PipelineRunner:
                 continue
             self._await_input(first, st)
             with self._record(first.kind.value, first), self._sync_context(first, training):
-                if first.kind is K.FORWARD:
+                if first.kind is ActionKind.FORWARD:
                     self._forward(first, st, training)
                 else:
                     self._backward(first, st)
             self._post_ahead(st, training, first)
 
-    def _post_ahead(self, st: _StepState, training: bool, after: Action = Action(K.SEND_ACT, -1)) -> None:
+    def _post_ahead(self, st: _StepState, training: bool, after: Action = Action(ActionKind.SEND_ACT, -1)) -> None:
         """Post the sends and receives that can go ahead of their place in the list."""
         ready = self._ready_sends(st, training) + self._early_recvs(st)
         if ready:
@@ -524,7 +548,7 @@ class PipelineRunner:
         for queue in st.unposted_sends.values():
             for a in queue:
                 key = (a.microbatch, a.chunk)
-                exists = key in st.units if a.kind is K.SEND_ACT else key in st.input_grads
+                exists = key in st.units if a.kind is ActionKind.SEND_ACT else key in st.input_grads
                 if not exists:
                     break
                 ready.append(a)
@@ -547,7 +571,7 @@ class PipelineRunner:
 
     def _await_input(self, action: Action, st: _StepState) -> None:
         """Wait for the receive this compute consumes, if it is still in flight."""
-        kind = K.RECV_ACT if action.kind is K.FORWARD else K.RECV_GRAD
+        kind = ActionKind.RECV_ACT if action.kind is ActionKind.FORWARD else ActionKind.RECV_GRAD
         st.recv_peers.pop((kind, action.microbatch, action.chunk), None)
         work = st.arrivals.pop((kind, action.microbatch, action.chunk), None)
         if work is not None:
@@ -555,14 +579,14 @@ class PipelineRunner:
                 work.wait()
 
     def _record(self, kind: str, action: Action) -> contextlib.AbstractContextManager:
-        if self.timeline is None:
+        if self.recorder is None:
             return contextlib.nullcontext()
-        return self.timeline.record(kind, action.microbatch, action.chunk)
+        return self.recorder.record(kind, action.microbatch, action.chunk)
 
     def _sync_context(self, action: Action, training: bool) -> contextlib.AbstractContextManager:
         if not training or (action.kind, action.microbatch, action.chunk) in self.synced:
             return contextlib.nullcontext()
-        return self.model.optimizer.no_sync()
+        return self.optimizer.no_sync()
 
     # --------------------------------------------------------------------------- compute
 
@@ -573,13 +597,13 @@ class PipelineRunner:
         x = batch.inputs if stage == 0 else st.acts.pop(key)
         if stage > 0 and training:
             x.requires_grad_()
-        device = self.model.device
+        device = self.device
         train = self.config.train
         pending: list[PendingWeightGrad] = []
         deferral = self._deferral(action.chunk, pending, training)
         with self._count_saved(chunk) as saved, autocast_for(self.config, device), deferral as deferred:
             out, aux = chunk(x, batch.positions, batch.documents)
-            ce = self.model.loss_fn(out, batch.targets) if stage == self.last_stage else None
+            ce = self.loss_fn(out, batch.targets) if stage == self.last_stage else None
         if ce is not None:
             st.loss_sum += ce.detach().double()
         if aux is not None:
@@ -606,10 +630,10 @@ class PipelineRunner:
         unit = st.units[key]
         if unit.output_grads is None:
             unit.output_grads = [st.grads.pop(key, None)] + [None] * (len(unit.heads) - 1)
-        if action.kind is K.BACKWARD_INPUT:
+        if action.kind is ActionKind.BACKWARD_INPUT:
             self._input_step(unit, action.chunk, st, key)
             return
-        if action.kind is K.BACKWARD_WEIGHT:  # B already freed the graph: only the deferred matmuls
+        if action.kind is ActionKind.BACKWARD_WEIGHT:  # B already freed the graph: only the deferred matmuls
             apply_deferred_weight_grads(unit.pending_weight_grads, unit.held_grads, self.params_reversed[action.chunk])
         else:
             torch.autograd.backward(unit.heads, unit.output_grads)
@@ -683,16 +707,16 @@ class PipelineRunner:
                 if not queue or queue[0] != a:
                     continue  # posted ahead of its place (`_ready_sends`, `_early_recvs`)
                 queue.popleft()
-            if a.kind is K.SEND_ACT:
+            if a.kind is ActionKind.SEND_ACT:
                 unit = st.units[key] if training else st.units.pop(key)
                 sends.append((unit.output.detach(), peer))
                 sent_outputs.append(unit.output if training else None)
-            elif a.kind is K.SEND_GRAD:
+            elif a.kind is ActionKind.SEND_GRAD:
                 sends.append((st.input_grads.pop(key), peer))
                 sent_outputs.append(None)
             else:
                 buffer = self._boundary(st, a.microbatch)
-                (st.acts if a.kind is K.RECV_ACT else st.grads)[key] = buffer
+                (st.acts if a.kind is ActionKind.RECV_ACT else st.grads)[key] = buffer
                 st.recv_peers[(a.kind, *key)] = peer
                 recvs.append((buffer, peer))
                 arriving.append((a.kind, *key))
@@ -741,12 +765,12 @@ def _synced_actions(row: list[Action]) -> set[tuple[ActionKind, int, int]]:
     backward of the last micro-batch whose weight gradient is computed."""
     last: dict[int, Action] = {}
     for a in row:
-        if a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+        if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
             last[a.chunk] = a
     synced = set()
     for chunk, a in last.items():
         synced.add((a.kind, a.microbatch, chunk))
-        synced.add((K.FORWARD, a.microbatch, chunk))
+        synced.add((ActionKind.FORWARD, a.microbatch, chunk))
     return synced
 
 

@@ -655,7 +655,7 @@ def sum_grads_over_axis(params: list[nn.Parameter], axis: Axis) -> None:
 
 @torch.no_grad()
 def sum_grads_over_repeats(params: list[nn.Parameter], axis: Axis, repeat: int) -> None:
-    """Sum the gradients of a chunk held by `repeat` consecutive ranks, over those ranks only.
+    """Sum the gradients of parameters held by `repeat` consecutive ranks (a repeated kv head), over those ranks only.
 
     One all-reduce over the whole axis of a (groups, n) buffer in which each rank fills the
     row of its group: rows of other groups stay zero, so every group gets its own sum.
