@@ -133,7 +133,7 @@ def encode_documents(docs: list[str], tok: TokenizerSpec) -> tuple[np.ndarray, n
 
 
 @dataclass(frozen=True)
-class Unit:
+class InputUnit:
     """One shard's worth of input: files of one kind, or a row range of one file or dataset."""
 
     kind: str  # "txt", "jsonl", "parquet", "datasets_file", "saved_dataset"
@@ -160,19 +160,19 @@ def _load_saved(path: str, split: str):
     return dataset
 
 
-def plan_units(inputs: list[str], split: str, out: Path | None = None) -> list[Unit]:
+def plan_units(inputs: list[str], split: str, out: Path | None = None) -> list[InputUnit]:
     """The units of every input, in a fixed order (inputs as given, files sorted in folders).
 
     Hidden files and folders, and the output folder when it lies inside an input, are skipped.
     """
-    units: list[Unit] = []
+    units: list[InputUnit] = []
     for text in inputs:
         path = Path(text)
         if not path.exists():
             raise DataError(f"{path} does not exist; give .txt/.jsonl/.parquet/.csv/.json files, folders of them or a saved dataset")
         if is_saved_dataset(path):
             rows = len(_load_saved(str(path), split))
-            units += [Unit("saved_dataset", (str(path),), a, min(a + ROWS_PER_UNIT, rows)) for a in range(0, rows, ROWS_PER_UNIT)]
+            units += [InputUnit("saved_dataset", (str(path),), a, min(a + ROWS_PER_UNIT, rows)) for a in range(0, rows, ROWS_PER_UNIT)]
             continue
         files = sorted(p for p in path.rglob("*") if _is_input(p, path, out)) if path.is_dir() else [path]
         if not files:
@@ -187,8 +187,8 @@ def _is_input(file: Path, folder: Path, out: Path | None) -> bool:
     return file.is_file() and file.suffix in TEXT_SUFFIXES and not hidden and not inside_out
 
 
-def _file_units(files: list[Path]) -> list[Unit]:
-    units: list[Unit] = []
+def _file_units(files: list[Path]) -> list[InputUnit]:
+    units: list[InputUnit] = []
     txt: list[str] = []
     for f in files:
         if f.suffix not in TEXT_SUFFIXES:
@@ -197,10 +197,10 @@ def _file_units(files: list[Path]) -> list[Unit]:
             txt.append(str(f))
             continue
         if f.suffix == ".parquet":
-            units += [Unit("parquet", (str(f),), g, g + 1) for g in range(_row_groups(f))]
+            units += [InputUnit("parquet", (str(f),), g, g + 1) for g in range(_row_groups(f))]
         else:
-            units.append(Unit("jsonl" if f.suffix == ".jsonl" else "datasets_file", (str(f),)))
-    units += [Unit("txt", tuple(txt[i : i + TXT_FILES_PER_UNIT])) for i in range(0, len(txt), TXT_FILES_PER_UNIT)]
+            units.append(InputUnit("jsonl" if f.suffix == ".jsonl" else "datasets_file", (str(f),)))
+    units += [InputUnit("txt", tuple(txt[i : i + TXT_FILES_PER_UNIT])) for i in range(0, len(txt), TXT_FILES_PER_UNIT)]
     return units
 
 
@@ -218,7 +218,7 @@ def _column(table_columns: list[str], field: str, where: str) -> None:
         raise DataError(f"{where} has no column '{field}' (columns: {', '.join(table_columns)}); choose one with --field")
 
 
-def read_unit(unit: Unit, field: str, split: str, cache: Path) -> list[str]:
+def read_unit(unit: InputUnit, field: str, split: str, cache: Path) -> list[str]:
     """The documents of a unit, in order."""
     if unit.kind == "txt":
         return [read_text_file(Path(p)) for p in unit.paths]
@@ -267,7 +267,7 @@ def _texts(values: list[Any], path: str, first_row: int) -> list[str]:
 @dataclass(frozen=True)
 class Job:
     index: int
-    unit: Unit
+    unit: InputUnit
     tokenizer: TokenizerSpec
     field: str
     split: str
