@@ -22,7 +22,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fivefold"
 
 # Bottom to top. A module may import from its own line and every line above it in this list.
 LAYERS: tuple[str, ...] = (
-    "fivefold",  # the package itself: the version and the table of moved import paths
+    "fivefold._moved",  # the old import paths of moved modules, kept for one release
+    "fivefold",  # the package itself: its version
     "fivefold.config",  # frozen values and TOML presets
     "fivefold.rules",  # pure rules the runtime and the planner share
     "fivefold.planner",  # the cost model: functions of config and rules
@@ -146,7 +147,7 @@ def unplaced(imports: ImportMap) -> list[str]:
     out = []
     for module in imports.paths:
         layer = line_of(module, LAYERS)
-        if layer is None or (module == "fivefold" and layer != 0) or (module != "fivefold" and LAYERS[layer] == "fivefold"):
+        if layer is None or (module != "fivefold" and LAYERS[layer] == "fivefold"):
             out.append(module)
         elif LAYERS[layer] == "fivefold.tools" and line_of(module, TOOLS) in (None, 0) and module != "fivefold.tools":
             out.append(module)

@@ -18,8 +18,15 @@ from typing import Any
 
 import torch
 
-from ..rules.volumes import planner_axis_bytes
+from .._moved import moved_names
 from ..planner.hardware import matmul_operands, measure_matmul_flops  # noqa: F401  (one measurement, re-exported)
+from ..rules.volumes import planner_axis_bytes
+
+__getattr__ = moved_names(__name__, {
+    "parameter_count": "fivefold.rules.params:total_params", "moe_layer_count": "fivefold.rules.params",
+    **{name: "fivefold.rules.flops" for name in (
+        "active_params_per_token", "attention_flops_per_token", "model_flops_per_token")},
+})
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.dtype -> matmul dtype
 

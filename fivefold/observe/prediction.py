@@ -26,7 +26,10 @@ from typing import Any
 
 import torch
 
+from .._moved import moved_names
 from ..config import Config
+
+__getattr__ = moved_names(__name__, {"PLANNER_AXIS": "fivefold.rules.volumes", "planner_axis_bytes": "fivefold.rules.volumes"})
 
 # The planner's hardware name for a CPU never calibrated, planned with rates measured at start.
 CPU_MEASURED_AT_START = "cpu (matmul and copy rates measured at start; `fivefold plan --calibrate` measures the rest)"

@@ -36,6 +36,18 @@ from .mesh import Mesh
 from .optim import AdamWSettings
 from .protocols import GradFinalizer
 
+from .._moved import moved_names
+
+__getattr__ = moved_names(__name__, {
+    **{name: "fivefold.parallel.buckets" for name in (
+        "MB", "DATA_AXES", "Segment", "FlatBucket", "reduction_axis", "local_axis", "trainable", "group_by_axis",
+        "make_bucket", "plan_buckets", "TAIL_FRACTION", "split_tail", "check_replicas_identical", "Pending",
+        "BucketReducer", "flat_params", "flat_grads")},
+    **{name: "fivefold.parallel.flat_adamw" for name in (
+        "flat_adamw_", "scale_", "clip_coefficient", "FlatSynchroniser", "FlatAdamW", "holds_every_gradient",
+        "squared_grad_sum", "flat_sharded_state", "load_flat_sharded_state")},
+})
+
 
 class BucketAllReduce:
     """Data-parallel gradient synchronisation: every parameter replicated over its data axis.

@@ -1,7 +1,10 @@
 """Planner: an analytic cost model for fivefold layouts and a search over them.
 
-Pure Python: nothing here starts processes or touches torch.distributed, except
-`calibrate()`, which measures this machine for the ``cpu`` hardware entry.
+Memory (`model_states`, `activations`), FLOPs, communication (`comm`), the pipeline bubble
+and the time of a layout (`estimate`, `stages`), and the search over valid layouts
+(`search`, `explain`), from the runtime's own rules (`fivefold.rules`). Pure Python: nothing
+here starts processes or touches torch.distributed, except `calibrate()`, which measures
+this machine for the ``cpu`` hardware entry. Its command line is `fivefold.tools.plan_cli`.
 """
 
 from .activations import activation_bytes_per_layer, saved_tensors_per_layer
