@@ -38,7 +38,7 @@ import torch.nn as nn
 from fivefold.tools.bench import alternate, builds, compare, gather_peak_rss, print_table, write_json
 from fivefold.config import Layout
 from fivefold.parallel.mesh import Mesh
-from fivefold.model.llama import MLP as SwiGLU  # one expert, as DeepSpeed wants it: a module it copies
+from fivefold.model.mlp import MLP as SwiGLU  # one expert, as DeepSpeed wants it: a module it copies
 from fivefold.model.moe import MoE
 from fivefold.parallel.expert_parallel import ExpertParallelDispatcher
 

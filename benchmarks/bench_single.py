@@ -12,7 +12,7 @@ builds the model; transformers' optimizer is given its state up front), so that 
 measured per case compares like with like.
 
 A fp32 (or bf16) GEMM of the model's largest matmul shape is timed in the same rounds, so
-model FLOPs utilisation (fivefold.metrics) is stated against the FLOP/s this machine
+model FLOPs utilisation (fivefold.observe.metrics) is stated against the FLOP/s this machine
 reached while the benchmark ran. All cases alternate after a warm-up (fivefold.tools.bench).
 
     fivefold bench single --rounds 5 --steps 2 --dtype fp32
@@ -461,7 +461,7 @@ def print_report(comparisons: list[Comparison], summary: dict, equivalence: dict
         f"max |logit diff| fp32 {equivalence['max_logit_diff_fp32']:.2e}\n"
         f"measured {t.dtype} GEMM GFLOP/s: wall {_fmt(summary['matmul_gflops'], digits=1)}, "
         f"CPU time {_fmt(summary['matmul_gflops_cpu_time'], digits=1)}; "
-        f"model {summary['model_gflop_per_step']:.1f} GFLOP per step (fivefold.metrics: 6N + 12LHQT)"
+        f"model {summary['model_gflop_per_step']:.1f} GFLOP per step (fivefold.observe.metrics: 6N + 12LHQT)"
     )
 
 

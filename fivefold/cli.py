@@ -2,7 +2,7 @@
 
 Configuration flags are dotted keys (`--train.steps 50`, `--layout.tp 2`, or
 `--layout "dp=2,tp=2"`); every key is checked. A layout of more than one process restarts
-the command as a job of local ranks supervised by `fivefold.launch` (gloo on CPU, NCCL on
+the command as a job of local ranks supervised by `fivefold.job.launch` (gloo on CPU, NCCL on
 CUDA) unless it already runs under torchrun or the launcher.
 """
 
@@ -71,7 +71,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
 
 def launch_training(config: Config, args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
     """Check the run folder and the data here, then start the layout's local ranks as a job that
-    fivefold.launch supervises (restarts with --resume, collective watchdog, signals), every rank
+    fivefold.job.launch supervises (restarts with --resume, collective watchdog, signals), every rank
     and every attempt writing to that folder. Returns the job's exit status."""
     from .job.launch import Job, run_job
     from .data.loader import check_data_source

@@ -274,7 +274,7 @@ class MetricsLog:
 def step_record(result: StepResult, flops_per_token: float = 0.0, peak_flops: float = 0.0) -> dict[str, Any]:
     """The metrics.jsonl line of a step; "mfu" when the model FLOPs and the devices' peak are known.
 
-    flops_per_token: fivefold.metrics.model_flops_per_token; peak_flops: of all devices of the run.
+    flops_per_token: fivefold.observe.metrics.model_flops_per_token; peak_flops: of all devices of the run.
     """
     record: dict[str, Any] = {
         "step": result.step,

@@ -52,11 +52,11 @@ def test_auto_layout_plans_for_the_cuda_device_the_run_uses(monkeypatch):
 
     import torch
 
-    import fivefold.mesh
+    import fivefold.parallel.mesh
     from fivefold.tools.auto_layout import default_world_size, run_hardware
 
     props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_000_000_000)
-    monkeypatch.setattr(fivefold.mesh, "device_for", lambda preference: torch.device("cuda", 0))
+    monkeypatch.setattr(fivefold.parallel.mesh, "device_for", lambda preference: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     config = load_config("tiny")

@@ -239,7 +239,7 @@ def test_garbage_tokenizer_unreadable_file_and_missing_source(tmp_path, capsys, 
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
     # Under a multi-process layout, a missing data file is reported before any process starts.
-    monkeypatch.setattr("fivefold.launch.run_job", lambda *a: pytest.fail("processes were started"))
+    monkeypatch.setattr("fivefold.job.launch.run_job", lambda *a: pytest.fail("processes were started"))
     monkeypatch.delenv("RANK", raising=False)
     assert main(["train", "--config", "tiny", "--layout", "dp=2", "--data.source", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl does not exist" in capsys.readouterr().err

@@ -23,7 +23,7 @@ ON_GLIBC = malloc.glibc_mallopt() is not None
 # stayed resident (MiB).
 KEPT_AFTER_FREE = """
 import ctypes, sys
-from fivefold.malloc import apply_malloc
+from fivefold.job.malloc import apply_malloc
 apply_malloc(sys.argv[1])
 def rss_mib():
     with open("/proc/self/status") as f:
@@ -50,13 +50,13 @@ def test_an_unknown_setting_is_refused_with_the_choices():
 
 
 def test_an_unknown_setting_stops_a_multi_process_run_before_any_process_starts(tmp_path, monkeypatch, capsys):
-    import fivefold.launch
+    import fivefold.job.launch
     from fivefold.cli import main
 
     def no_launch(job):
         raise AssertionError("ranks were started")
 
-    monkeypatch.setattr(fivefold.launch, "run_job", no_launch)
+    monkeypatch.setattr(fivefold.job.launch, "run_job", no_launch)
     code = main(["train", *TINY, "--layout", "dp=2", "--train.malloc", "tcmalloc", "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err

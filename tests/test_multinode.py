@@ -1,4 +1,4 @@
-"""Multi-node runs across two hosts made on this machine, and the checks of fivefold.cluster.
+"""Multi-node runs across two hosts made on this machine, and the checks of fivefold.job.cluster.
 
 Two network namespaces joined by a veth pair play two hosts: each has its own hostname
 (a UTS namespace), its own address on the pair (10.77.0.1, 10.77.0.2) and loopback, and no

@@ -17,7 +17,7 @@ pipeline ends) full until the end of the step, the others sharded.
 Expert parallelism's all-to-all volume depends on the actual routing, which the planner
 assumes balanced: there the runtime's number of all-to-alls equals the planner's, and its
 bytes equal the planner's calls applied to the routing it really had. Most runs are fp32; the
-bf16 ones check which activations travel in which dtype (`fivefold.volumes.ElementBytes`);
+bf16 ones check which activations travel in which dtype (`fivefold.rules.volumes.ElementBytes`);
 bf16 data parallelism and ZeRO with fp32 master weights are checked in test_precision.py too.
 """
 

@@ -198,8 +198,8 @@ def test_the_planner_and_the_shared_rules_import_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, fivefold.planner, fivefold.planner.estimate, fivefold.stages, fivefold.flops, "
-            "fivefold.volumes; print('torch' in sys.modules)")
+    code = ("import sys, fivefold.planner, fivefold.planner.estimate, fivefold.rules.stages, fivefold.rules.flops, "
+            "fivefold.rules.volumes; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
 

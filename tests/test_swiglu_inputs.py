@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fivefold.model.llama import swiglu
+from fivefold.model.mlp import swiglu
 
 
 def _grads(fn, x: torch.Tensor, grad: torch.Tensor, split) -> tuple[torch.Tensor, torch.Tensor]:

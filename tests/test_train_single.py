@@ -233,7 +233,7 @@ def test_swiglu_backward_in_place_is_bitwise_autograd(dtype):
     and, having written its gradients into the saved buffers, refuses a second backward."""
     import torch.nn.functional as F
 
-    from fivefold.model.llama import swiglu
+    from fivefold.model.mlp import swiglu
 
     gen = torch.Generator().manual_seed(SEED)
     gate0, up0, grad = (torch.randn(2, 16, 48, generator=gen).to(dtype) for _ in range(3))

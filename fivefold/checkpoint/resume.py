@@ -1,7 +1,7 @@
 """Saving a run's state during training, resuming from the newest usable checkpoint, and
 stopping cleanly on SIGTERM.
 
-The data sampler is a pure function of the step (fivefold/data.py) and the learning rate a
+The data sampler is a pure function of the step (fivefold/data/sources.py) and the learning rate a
 pure function of the step and the train config, so saving the step restores both. RNG
 states (CPU, and CUDA when present) are restored per rank when the world size is unchanged.
 Every decision that ranks must take together (a failed write, a corrupt checkpoint, a stop

@@ -95,7 +95,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a run is split over devices. Validated against the model by `fivefold.layout`."""
+    """How a run is split over devices. Validated against the model by `fivefold.rules.layout`."""
 
     dp: int = 1
     zero: int = 0
@@ -145,11 +145,11 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block's computation (regional compilation)
     profile: tuple[int, ...] = ()  # steps to record with torch.profiler (RUN_DIR/profile/)
     drift_margin: float = 0.25  # warn when a measurement is off the planner's prediction by more (ratio)
-    # Fault handling of multi-process jobs (fivefold/launch.py, the watchdog in parallel/comm.py).
+    # Fault handling of multi-process jobs (fivefold/job/launch.py, the watchdog in parallel/comm.py).
     max_restarts: int = 0  # restarts from the last checkpoint after a rank fails
     collective_timeout_s: float = 300.0  # a collective unfinished this long ends the job with a report
     stop_grace_s: float = 30.0  # after Ctrl-C/SIGTERM: time to checkpoint and exit before SIGKILL
-    # glibc's allocator in every rank (fivefold/malloc.py): "default" (glibc's own thresholds) or
+    # glibc's allocator in every rank (fivefold/job/malloc.py): "default" (glibc's own thresholds) or
     # "retain" (freed memory stays with the process, no page faults to get it back); no effect elsewhere
     malloc: str = "default"
 
@@ -316,11 +316,11 @@ def config_from_dict(values: dict[str, Any]) -> Config:
 # ------------------------------------------------------------------------------- value ranges
 # Ranges of single keys. Checks that relate keys to each other or to the layout (heads and
 # kv_heads, top_k and num_experts, capacity_factor when tokens are dropped, ...) live in
-# fivefold.layout.validate, which runs before any process starts.
+# fivefold.rules.layout.validate, which runs before any process starts.
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # becomes a folder name under runs/
 DEVICES = ("auto", "cpu", "cuda")
-MALLOC_SETTINGS = ("default", "retain")  # train.malloc, applied by fivefold/malloc.py
+MALLOC_SETTINGS = ("default", "retain")  # train.malloc, applied by fivefold/job/malloc.py
 SEED_LIMIT = 2**31  # seeds are combined with step and epoch numbers into 64-bit generator seeds
 
 

@@ -1,6 +1,6 @@
 """Prepared token datasets: memory-mapped shards, a document index, a manifest with checksums.
 
-A prepared dataset is a folder written by `fivefold data prepare` (fivefold/prepare.py):
+A prepared dataset is a folder written by `fivefold data prepare` (prepare.py):
 
     manifest.json          format, tokenizer identity, dtype, counts, one entry per shard
     shard_00000.bin        token ids, uint16 when the vocabulary fits, else uint32

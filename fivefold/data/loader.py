@@ -1,5 +1,5 @@
 """The training data of a config: the embedded corpus or raw text files (read whole, data.py),
-a prepared dataset, or a blend of prepared datasets (memory-mapped, fivefold/packing.py).
+a prepared dataset, or a blend of prepared datasets (memory-mapped, packing.py).
 
 `open_training_data` is what a run and a parity check call; `check_data_source` runs the same
 checks in the launching process, before any worker process is started.

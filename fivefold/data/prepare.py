@@ -1,4 +1,4 @@
-"""`fivefold data prepare`: tokenize text once into memory-mapped shards (fivefold/indexed.py).
+"""`fivefold data prepare`: tokenize text once into memory-mapped shards (indexed.py).
 
 Inputs: .txt files (one document each), .jsonl (one document per line, `--field`), .parquet
 (one document per row, `--field`), .csv/.json through `datasets`, folders of these, and a

@@ -4,7 +4,7 @@
 of every distinct storage (views of one flat buffer count once; a storage resized to zero,
 like a freed ZeRO-3 parameter buffer, counts nothing). `zero_formula_bytes` is the ZeRO
 paper's per-stage model for comparison, with the bytes per parameter of the run's precision
-policy (fivefold.precision): 4 + 4 + 8 in fp32 (and under bf16 autocast over fp32 weights),
+policy (fivefold.rules.precision): 4 + 4 + 8 in fp32 (and under bf16 autocast over fp32 weights),
 2 + 2 + 12 with bf16 parameters (the fp32 master weights count as optimizer state).
 """
 

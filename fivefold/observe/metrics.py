@@ -1,7 +1,7 @@
 """Model FLOPs, model FLOPs utilisation (MFU) and a measured matmul peak.
 
 Model FLOPs per token follow PaLM's definition, 6 N + 12 L H Q T, written once in
-`fivefold.flops` (the planner's MFU uses the same count).
+`fivefold.rules.flops` (the planner's MFU uses the same count).
 
     MFU = tokens/s * model FLOPs per token / peak FLOP/s
 

@@ -15,7 +15,7 @@ sent to other ranks; point-to-point the bytes sent.
 Every collective is also logged in the mesh's flight recorder (`CommStats.flight`): axis,
 op, sequence number on that axis, bytes, start time and whether it completed. A
 `CollectiveWatchdog` thread per rank ends the rank with a flight record on disk when one
-stays unfinished longer than `train.collective_timeout_s`; `fivefold.launch` turns the
+stays unfinished longer than `train.collective_timeout_s`; `fivefold.job.launch` turns the
 records of all ranks into one report that names the rank that did not arrive.
 """
 
@@ -39,7 +39,7 @@ from .mesh import Axis, CollectiveRecord, FlightRecorder
 
 COLLECTIVE_TIMEOUT_EXIT = 75  # exit status of a rank ended by its watchdog (EX_TEMPFAIL)
 PEER_LOST_EXIT = 76  # exit status of a rank whose collective failed because a peer went away
-FLIGHT_DIR_ENV = "FIVEFOLD_FLIGHT_DIR"  # set by fivefold.launch: where this attempt's ranks write flight records
+FLIGHT_DIR_ENV = "FIVEFOLD_FLIGHT_DIR"  # set by fivefold.job.launch: where this attempt's ranks write flight records
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -148,7 +148,7 @@ class FlatAdamW(Synchronised):
         return self.masters if self.settings.precision.has_master_weights else []
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank stores, by kind, for memory accounting (fivefold.held_memory)."""
+        """What this rank stores, by kind, for memory accounting (fivefold.observe.held_memory)."""
         optimizer = [t for pair in self.state for t in pair] + self._separate_masters()  # fp32 masters count here
         return {**self.sync.held_tensors(), "optimizer": optimizer}
 

@@ -337,7 +337,7 @@ class ReplicatedAdamW(Synchronised):
                 p.data.copy_(master)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank stores, by kind, for memory accounting (fivefold.held_memory)."""
+        """What this rank stores, by kind, for memory accounting (fivefold.observe.held_memory)."""
         own = [w for p, w in self._with_masters() if w is not p.data]  # fp32 masters count as optimizer state
         return {**self.sync.held_tensors(), "optimizer": [t for pair in self.state.values() for t in pair] + own}
 

@@ -24,7 +24,7 @@ before it first reads it (UpdatedParameterGathers), and every other reader of pa
   flat storage's memory into a kept spare and leaves the storage empty, so tensors saved for
   backward that view it are refilled by the next gather (UnitGatherer).
 
-Precision (fivefold.precision): the flat parameter buffers, the gathered parameters and
+Precision (fivefold.rules.precision): the flat parameter buffers, the gathered parameters and
 the gradients are in the policy's parameter dtype. The update runs on fp32 master weights:
 with fp32 parameters these are the parameters (stages 1-2: this rank's slice of the flat
 buffer; stage 3: its shard), with bf16 parameters a separate fp32 copy of this rank's

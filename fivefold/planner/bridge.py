@@ -2,7 +2,7 @@
 
 The planner keeps its own frozen specs (their fields are public API), but every rule about
 which layouts can run is the runtime's: `validate.check_layout` converts a candidate with
-`runtime_config` and runs `fivefold.layout.validate` on it. The GPT layer (``arch="gpt"``)
+`runtime_config` and runs `fivefold.rules.layout.validate` on it. The GPT layer (``arch="gpt"``)
 is not trained by fivefold; it is checked as the Llama layer of the same widths, since the
 split rules (heads, widths, vocabulary, sequence, experts, pipeline) do not depend on the
 layer's norms or activation.

@@ -1,19 +1,19 @@
 """Communication per device and step: every collective a layout issues, timed.
 
-Which collectives each axis issues and their buffers are defined once in `fivefold.volumes`
+Which collectives each axis issues and their buffers are defined once in `fivefold.rules.volumes`
 (the strategy tests hold the runtime's counted bytes to the same functions); this module
 places them on the hardware. Per-device bytes sent per call are the ring volumes of
-`fivefold.volumes.ring_factor`. Time of one call: latency x ring steps + volume /
+`fivefold.rules.volumes.ring_factor`. Time of one call: latency x ring steps + volume /
 bandwidth, with the intra-node bandwidth when the whole group sits on one node under
 fivefold's rank order (tp fastest, then cp, dp, pp: a group of size n and stride r spans
 n r consecutive ranks) and the inter-node bandwidth otherwise.
 
 Sizes: b sequences per micro-batch, s/c tokens per context rank, h hidden, X = b s h / c
 activation elements, each of the residual stream's dtype or of the compute dtype depending on
-what the collective carries (`fivefold.volumes.ElementBytes`: under bf16 autocast over fp32
+what the collective carries (`fivefold.rules.volumes.ElementBytes`: under bf16 autocast over fp32
 weights the residual stream, and so the pipeline's sends, stays fp32); key/value heads per
 tensor-parallel rank are kv/t, or one head repeated when t > kv
-(`fivefold.volumes.local_kv_heads`). Per axis:
+(`fivefold.rules.volumes.local_kv_heads`). Per axis:
 
 * tp, per layer and micro-batch: `volumes.tp_layer_calls`; embedding, head and loss:
   `volumes.tp_end_calls`; once per step, gradients partial over tp: `volumes.tp_step_calls`.
@@ -26,7 +26,7 @@ tensor-parallel rank are kv/t, or one head repeated when t > kv
   one all-reduce of the word-embedding gradient between the first and last stage.
 * dp, over dp x cp ranks for non-expert and dp x cp / ep for expert parameters:
   `volumes.dp_step_calls` for the bytes of the rank's gradients (in the precision
-  policy's reduction dtype) and parameters (in their own dtype; `fivefold.precision`).
+  policy's reduction dtype) and parameters (in their own dtype; `fivefold.rules.precision`).
 
 Full recomputation repeats each forward collective inside the recomputed layers (tp, cp,
 ep); selective recomputation repeats those of the attention core (cp). It adds no ZeRO-3
@@ -169,7 +169,7 @@ def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: f
     ``param_b``: bytes per parameter gathered (ZeRO-1/2/3); ``grad_b``: per gradient element
     reduced (the precision policy's reduction dtype); ``kept``: the (non-expert, expert)
     parameters ZeRO-3 keeps gathered from the forward to the backward; ``finalized``: the
-    non-expert parameters whose gradients finalizers complete (`fivefold.volumes.zero_reduction`;
+    non-expert parameters whose gradients finalizers complete (`fivefold.rules.volumes.zero_reduction`;
     no expert parameter has one).
     """
     out: list[Collective] = []

@@ -13,7 +13,7 @@ parameter. Per device, with N data-parallel ranks sharing the states:
 fp32 training derives the same way: 4-byte weights, 4-byte gradients and K = 8 (Adam's two
 fp32 moments; the weights are their own master copy). SGD with momentum keeps K = 4 + 4
 (master + momentum) in mixed precision and K = 4 in fp32. The rule is the runtime's
-(fivefold.precision): ``precision`` names a policy, e.g. "bf16" or, for bf16 autocast over
+(fivefold.rules.precision): ``precision`` names a policy, e.g. "bf16" or, for bf16 autocast over
 fp32 weights as `train.dtype = "bf16"` alone runs, "bf16,params=fp32,reduce=fp32".
 """
 
@@ -58,7 +58,7 @@ def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, finalized: 
     """Per-device bytes for ``psi`` parameters sharded over ``n`` ranks at ZeRO ``zero``.
 
     ``finalized`` of the ``psi`` parameters have gradients completed by gradient finalizers:
-    ZeRO-2/3 hold those full until the end of the step (`fivefold.volumes.zero_reduction`).
+    ZeRO-2/3 hold those full until the end of the step (`fivefold.rules.volumes.zero_reduction`).
     """
     shard = lambda nbytes: math.ceil(nbytes / n)  # noqa: E731
     p, g, k = sb.param * psi, sb.grad * psi, sb.optimizer * psi

@@ -10,7 +10,7 @@ from .spec import LayoutSpec, ModelSpec
 
 def stage_layers(model: ModelSpec, layout: LayoutSpec) -> list[list[int]]:
     """Layer indices held by each pipeline device (all of its ``vpp`` chunks): the runtime's
-    split (`fivefold.stages`), including ``layout.pp_layers``."""
+    split (`fivefold.rules.stages`), including ``layout.pp_layers``."""
     counts = stage_layer_counts(model_config(model), model.seq_len, layout.pp, layout.vpp, layout.pp_layers)
     return rank_layer_ids(counts, layout.pp)
 
@@ -23,7 +23,7 @@ def in_flight(layout: LayoutSpec, stage: int) -> float:
     * GPipe (Huang et al. 2019): all m forwards run before the first backward: m;
     * 1F1B (Narayanan et al. 2021, PipeDream-Flush) and ZB-H1 (Qi et al. 2023, same peak
       memory as 1F1B): stage i warms up with p - i forwards: min(m, p - i);
-    * interleaved: fivefold's table (`parallel.schedules.interleaved_1f1b`) holds at most
+    * interleaved: fivefold's table (`rules.schedules.interleaved_1f1b`) holds at most
       v p - i chunk forwards on stage i, each 1/v of the stage's layers: p on the first
       stage whatever v. Megatron-LM's table warms up longer, 2(p - i - 1) + (v - 1)p + 1
       chunks (the factor p(1 + (p - 1)/(p v)) of Korthikanti et al. 2022, Section 4.2.3);
@@ -61,7 +61,7 @@ def in_flight_output(layout: LayoutSpec) -> float:
 
 def bubble_units(layout: LayoutSpec, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
     """Idle time per device per step, in units of one micro-batch's F+B+W time, with the
-    F/B/W times of the layer (`fivefold.stages.bubble_units`, which the runtime's timeline
+    F/B/W times of the layer (`fivefold.rules.stages.bubble_units`, which the runtime's timeline
     also uses)."""
     return stage_bubble_units(layout.schedule, layout.pp, layout.num_micro_batches, layout.vpp, t_f, t_b, t_w)
 

@@ -122,7 +122,7 @@ def search(model: ModelSpec | str, gpus: int = 64, hardware: str | Hardware = "H
            max_tp: int | None = None) -> list[tuple[LayoutSpec, Estimate]]:
     """Layouts of ``gpus`` devices that fit, best (shortest step) first: the ``top`` best,
     or all of them with ``top=None``. Every layout returned is one ``fivefold train``
-    accepts (each candidate passes the runtime's `fivefold.layout.validate`).
+    accepts (each candidate passes the runtime's `fivefold.rules.layout.validate`).
 
     ``seq_len`` overrides the model's. Raises `PlanError` when no layout divides the
     model and batch, or none fits in memory (the message says what to change).

@@ -1,7 +1,7 @@
 """Check a `LayoutSpec` against a model and a device count with the runtime's own rules.
 
 A layout the planner accepts is one ``fivefold train`` accepts: the candidate is converted to
-the runtime's `Config` (`bridge.runtime_config`) and checked by `fivefold.layout.validate`,
+the runtime's `Config` (`bridge.runtime_config`) and checked by `fivefold.rules.layout.validate`,
 the same function a training run calls before it starts any process.
 """
 

@@ -1,7 +1,7 @@
 """Model FLOPs per token: the one count behind every MFU fivefold reports.
 
 Pure arithmetic on a `ModelConfig` (no torch): training logs and benchmarks
-(`fivefold.metrics`) and the planner (`planner.flops`) use it, so a measured and a
+(`fivefold.observe.metrics`) and the planner (`planner.flops`) use it, so a measured and a
 predicted MFU divide the same numerator.
 
 Definition used throughout fivefold (PaLM's, as torchtitan computes it):

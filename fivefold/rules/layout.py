@@ -1,6 +1,6 @@
 """Layout validation and the rank <-> coordinate maps (pure functions, no processes).
 
-Rank order, fastest-varying first: tp, cp, dp, pp (DESIGN.md). Tensor-parallel ranks are
+Rank order, fastest-varying first: tp, cp, dp, pp (docs/architecture.md). Tensor-parallel ranks are
 neighbours, like GPUs on one NVLink island. Expert-parallel groups are runs of `ep`
 consecutive ranks of the flattened (dp, cp) group.
 """

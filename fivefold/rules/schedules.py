@@ -475,7 +475,7 @@ ALIASES = {"zero-bubble": "zb-h1"}  # other names accepted for the schedules of 
 
 
 def build_schedule(name: str, pp: int, num_microbatches: int, vpp: int = 1) -> Table:
-    """Table of actions for one of `fivefold.layout.SCHEDULES`, one list per pipeline rank."""
+    """Table of actions for one of `fivefold.rules.layout.SCHEDULES`, one list per pipeline rank."""
     key = ALIASES.get(name.lower(), name.lower())
     if key not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")

@@ -10,7 +10,7 @@ Stage split
     explicit `layout.pp_layers`, the cut minimises the most expensive stage under a cost
     estimate (multiply-adds per token of each block, plus the head on the last stage).
     Virtual stage s lives on pipeline rank s % pp as its chunk s // pp
-    (`parallel.schedules.stage_of`).
+    (`rules.schedules.stage_of`).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def bubble_units(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
       1F1B's (p - 1)(T_F + T_B + T_W), i.e. (p - 1)(F + B - W)/(F + B + W) in these units;
       for T_F = T_B = T_W it is one third of 1F1B's bubble. With m < p micro-batches there
       are too few W to fill the tail: (p - 1)(F + B) - (m - 1) W (the runtime's table,
-      `parallel.schedules.zero_bubble_h1`, idles exactly that long).
+      `rules.schedules.zero_bubble_h1`, idles exactly that long).
     """
     p, m = pp, num_microbatches
     if p == 1:

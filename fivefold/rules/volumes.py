@@ -289,7 +289,7 @@ def ring_accumulator_bytes(elem_bytes: int) -> int:
 def cp_moe_layer_calls(cp: int, segments: int, batch: int, num_experts: int, top_k: int, dropless: bool,
                        recompute: str = "none") -> list[Call]:
     """One MoE layer, one micro-batch, on a cp rank of ``batch`` sequences cut into
-    ``segments`` segments over the cp ranks (`fivefold.layout.sequence_segments`).
+    ``segments`` segments over the cp ranks (`fivefold.rules.layout.sequence_segments`).
 
     The auxiliary loss's per-sequence statistics, (batch, 2E + 2) fp32 values, and the
     tokens per sequence (one fp32 value) are summed over the ranks holding the sequence;

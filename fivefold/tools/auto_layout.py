@@ -48,7 +48,7 @@ def _run_device(config: Config):
 
 def run_hardware(config: Config, world_size: int, hardware: str | Hardware | None = None) -> Hardware:
     """The hardware a run of ``config`` computes on: ``hardware`` when given; else the preset
-    of the CUDA device the run would use (`fivefold.mesh.device_for`), or this machine."""
+    of the CUDA device the run would use (`fivefold.parallel.mesh.device_for`), or this machine."""
     if hardware is None and _run_device(config).type == "cuda":
         import torch
 

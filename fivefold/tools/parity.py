@@ -1,7 +1,7 @@
 """Parity: train a layout and the single-process reference from the same seed and data, compare.
 
 The reference is the same config with the trivial layout. A parity check compares the loss
-of every step and every parameter at the end, gathered to full tensors (DESIGN.md):
+of every step and every parameter at the end, gathered to full tensors (docs/architecture.md):
 per-step loss within rtol=1e-5, atol=1e-6; parameters within PARAM_ATOL + PARAM_RTOL * |ref|.
 
 The parameter bound is stated, not tuned. Gradients differ between layouts by rounding

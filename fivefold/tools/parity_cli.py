@@ -1,7 +1,7 @@
 """`fivefold parity --layout "dp=2,tp=2,pp=2" [--steps K] [--config tiny]`.
 
 Trains the single-process reference (in this process) and the layout (ranks started by
-fivefold.launch),
+fivefold.job.launch),
 prints the per-step loss difference and, when a tolerance is exceeded, names the first
 module whose forward output or parameter gradient differs and by how much.
 """

@@ -323,11 +323,11 @@ def rules_of_thumb(model: ModelSpec, chosen: Estimate) -> list[str]:
 
 
 def run_compare(args, model: ModelSpec, hardware: str, out) -> int:
-    """`fivefold plan --compare ...` (args from planner/cli.py); prints a table, exit code 0."""
+    """`fivefold plan --compare ...` (args from plan_cli.py); prints a table, exit code 0."""
     from ..planner.spec import parse_layout
 
     if args.json:
-        raise PlanError("--compare prints tables only; drop --json (the numbers come from fivefold.planner.compare's "
+        raise PlanError("--compare prints tables only; drop --json (the numbers come from fivefold.tools.plan_compare's "
                         "zero_rows, schedule_rows and axes_rows in Python)")
     hw = get_hardware(hardware)
     if not out.is_terminal:  # piped or captured: do not fold the tables to 80 columns

@@ -251,7 +251,7 @@ def throughput_section(run: RunData) -> Section:
         ax.axhline(predicted, color="#4c72b0", linestyle="--", label="planner's tokens/s")
     ax.legend(loc="lower right")
     section.figures.append(Figure("throughput", "tokens/s and MFU per step", _png(fig)))
-    section.notes.append("MFU against a matmul peak measured at the start of the run (fivefold/metrics.py)")
+    section.notes.append("MFU against a matmul peak measured at the start of the run (fivefold/observe/metrics.py)")
     return section
 
 
