@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -414,6 +414,9 @@ class StepRecorder(Protocol):
     def record(self, kind: str, microbatch: int, chunk: int) -> contextlib.AbstractContextManager: ...
 
 
+Recorder = TypeVar("Recorder", bound=StepRecorder)
+
+
 class PipelineRunner:
     """Runs this rank's list of the configured schedule for one step (or evaluation).
 
@@ -440,7 +443,9 @@ class PipelineRunner:
         self.boundary_dtype = TORCH_DTYPES[PrecisionPolicy.from_train(config.train).residual]
         self.sp_factor = layout.tp if layout.sequence_parallel else 1
         self.recvs_ahead = RECVS_AHEAD if _one_handle_per_operation(mesh.pp.group) else 0
-        self.params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks]
+        self.params: list[list[torch.Tensor]] = [
+            [p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks
+        ]
         # Full recomputation replays a block's forward inside backward, where the deferral
         # does not collect: nothing would be deferred, so W is then empty (B does all). So too
         # under train.compile: a compiled block's backward is one node that computes its
@@ -458,7 +463,7 @@ class PipelineRunner:
     # ----------------------------------------------------------------- public entry points
 
     @contextlib.contextmanager
-    def recording(self, recorder: StepRecorder) -> Iterator[StepRecorder]:
+    def recording(self, recorder: Recorder) -> Iterator[Recorder]:
         """Report every step run inside to `recorder` (a timeline: each compute and transfer)."""
         self.recorder = recorder
         try:
