@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+# Test files mirror the packages (tests/parallel/, tests/planner/, ...) and some share helpers by
+# module name (test_zero uses test_data_parallel's matrix): every test folder is importable, in
+# this process and in the worker pool's (spawned workers inherit sys.path).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS] + sorted(
+    os.path.join(_TESTS, d) for d in os.listdir(_TESTS) if os.path.isdir(os.path.join(_TESTS, d)) and not d.startswith((".", "_"))
+)
 
 from fivefold.tools.testing import PoolSet  # noqa: E402
 

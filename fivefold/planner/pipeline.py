@@ -27,7 +27,7 @@ def in_flight(layout: LayoutSpec, stage: int) -> float:
       v p - i chunk forwards on stage i, each 1/v of the stage's layers: p on the first
       stage whatever v. Megatron-LM's table warms up longer, 2(p - i - 1) + (v - 1)p + 1
       chunks (the factor p(1 + (p - 1)/(p v)) of Korthikanti et al. 2022, Section 4.2.3);
-      fivefold plans for the table it runs (tests/test_shared_rules.py replays it).
+      fivefold plans for the table it runs (tests/rules/test_shared_rules.py replays it).
     """
     p, m, v = layout.pp, layout.num_micro_batches, layout.vpp
     if p == 1:

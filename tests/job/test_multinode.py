@@ -359,7 +359,7 @@ def test_kubernetes_example_is_a_valid_job():
     from fivefold.cli import build_parser, config_from_args, split_dotted
     from fivefold.rules.layout import validate
 
-    job = yaml.safe_load((Path(__file__).parents[1] / "examples" / "pytorchjob.yaml").read_text())
+    job = yaml.safe_load((Path(__file__).parents[2] / "examples" / "pytorchjob.yaml").read_text())
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     command = worker["template"]["spec"]["containers"][0]["command"]
     assert command[:4] == ["torchrun", "-m", "fivefold.cli", "train"]

@@ -141,7 +141,7 @@ def run_matrix(pools, world: int, zeros: list[int], accums=(1, 4)) -> list[tuple
     return [(config, [r[i] for r in results]) for i, config in enumerate(configs)]
 
 
-# The parity matrix dp {2,4,8} x zero {0..3} x grad_accum {1,4} runs in tests/test_zero.py,
+# The parity matrix dp {2,4,8} x zero {0..3} x grad_accum {1,4} runs in tests/parallel/test_zero.py,
 # one pool call per world size for all eight (zero, accumulation) pairs.
 
 

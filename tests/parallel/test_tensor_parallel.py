@@ -266,7 +266,7 @@ def test_overlap_under_compile_is_bitwise_the_plain_compiled_run(pools, referenc
     graph (their backward leaves work in a list, which dynamo does not trace) and run
     eagerly; the result is bitwise the compiled run without overlap and matches the eager
     single process. One pool call per run, so each compilation gets the pool's full timeout;
-    the shapes of tests/test_compile.py's tp case, whose graphs inductor has cached."""
+    the shapes of tests/parallel/test_compile.py's tp case, whose graphs inductor has cached."""
     import dataclasses
 
     from fivefold.tools.parity import assert_parity, with_layout

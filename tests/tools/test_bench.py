@@ -28,7 +28,7 @@ from fivefold.tools.bench import (
     suite_markdown,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A benchmark script in miniature: "big" keeps 64 MB alive, "small" keeps --mb MB (8 by default);
 # each call allocates and frees as much again (a transient peak). Construction goes through

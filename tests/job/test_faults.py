@@ -25,7 +25,7 @@ from fivefold.checkpoint import checkpoint_root, full_state_of_run, list_checkpo
 from fivefold.job.launch import ranks_not_arrived, waits_for
 
 TINY = ["--config", "tiny", "--model.layers", "2", "--train.seq_len", "16", "--train.global_batch", "4"]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- helpers

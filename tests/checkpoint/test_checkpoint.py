@@ -47,7 +47,7 @@ from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.sharding import Placement, Split
 from fivefold.train import build
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ pure resharding (no processes)

@@ -14,7 +14,7 @@ from fivefold.job import malloc
 from fivefold.config import ConfigError, load_config
 from fivefold.job.malloc import MallocError, apply_malloc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--config", "tiny", "--model.layers", "2", "--train.seq_len", "16", "--train.global_batch", "4"]
 ON_GLIBC = malloc.glibc_mallopt() is not None
 
