@@ -21,14 +21,16 @@ Then every rank walks the tensors in that order. For each one:
    -0.0 included), so the sum is exact;
 2. when the file's writer sits in another pipeline stage, the rank of the holding stage in the
    writer's pipeline group sends it there (point to point);
-3. the writer moves it to the host, one tensor at a time, and appends it to its file, which it
-   streams: header first (known from the plan), then each tensor's bytes as they come.
+3. the writer moves it to the host, one tensor at a time, and hands it to its writing thread,
+   which streams the file: header first (known from the plan), then each tensor's bytes.
 
-So a rank holds at most one full tensor on its device (and the writer one on the host) besides
-its own shards, whatever the model's size; writers of different stages, and of tensors that need
-no assembly, write at the same time. Every shape in the walk is known from the plan, so the same
-code runs on the meta device under torch's fake process group (`fivefold dryrun`), where nothing
-has values and nothing is written. The number of elements each tensor received is checked once
+So besides its own shards a rank holds one full tensor being assembled on its device, and a
+writer at most one file's worth of host tensors waiting for its thread, whatever the model's
+size. The thread lets the writers of a stage write at the same time although the stage
+assembles one tensor after another; writers of different stages, and of tensors that need no
+assembly, never wait for each other. Every shape in the walk is known from the plan, so the same
+code runs on the meta device under torch's fake process group (as `fivefold dryrun` runs a
+training step), where nothing has values and nothing is written. The number of elements each tensor received is checked once
 at the end (one all-reduce per kind of assembly): a part written by two replicas, or by none, is
 refused before anything is committed.
 
@@ -48,7 +50,8 @@ sum costs about what one ZeRO-3 forward's gathers cost) and writes it once.
 from __future__ import annotations
 
 import shutil
-from collections import Counter
+import threading
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +114,10 @@ class FinalWeightsPlan:
     @property
     def names(self) -> list[str]:
         return file_names(len(self.files))
+
+    @property
+    def largest_file_bytes(self) -> int:
+        return max(sum(t.nbytes for t in members) for members in self.files)
 
 
 def saved_tensors(model: ModelConfig) -> list[TensorInfo]:
@@ -262,7 +269,9 @@ def assemble(info: TensorInfo, held: HeldTensor, model: Any) -> tuple[torch.Tens
     written = 0
     for spec, part in parts:
         if contributes(how, spec.replicated_over, mesh):
-            place(buffer, spec, part)
+            # ZeRO-3's parts are its fp32 masters: rounded as the parameters are (bf16 param_dtype),
+            # the weights are the same whatever the layout.
+            place(buffer, spec, part.to(held.tensor.dtype))
             written += part.numel()
     for axis in how.reduce:
         comm.all_reduce(buffer, mesh[axis])
@@ -273,38 +282,77 @@ def assemble(info: TensorInfo, held: HeldTensor, model: Any) -> tuple[torch.Tens
 
 
 class FileSink:
-    """This rank's files: each opened at its first tensor, streamed, closed at its last.
+    """This rank's files, written by a thread of their own while the walk goes on.
 
-    After a failed write the rank keeps taking part in the walk (the other ranks' collectives
-    need it) but writes nothing more; `failure` says what went wrong.
+    The walk hands each tensor over on the host (`write`); the thread appends it to its file,
+    opened at its first tensor and flushed and closed at its last. At most `budget` bytes
+    (one file's worth; a larger tensor alone) wait for the thread, so a rank holds at most
+    that plus the tensor being assembled, and the writers of one stage write at the same time
+    although the stage assembles one tensor after the other. After a failed write the thread
+    drops what follows while the walk goes on (the other ranks' collectives need this rank);
+    `finish` waits for the thread and says what went wrong.
     """
 
-    def __init__(self, plan: FinalWeightsPlan, staging: Path, rank: int, step: int) -> None:
-        self.plan, self.staging, self.rank, self.step = plan, staging, rank, step
-        self.open: TensorFileWriter | None = None
+    def __init__(self, plan: FinalWeightsPlan, staging: Path, rank: int, step: int, budget: int) -> None:
+        self.plan, self.staging, self.rank, self.step, self.budget = plan, staging, rank, step, budget
         self.failure = ""
+        self._queue: deque[tuple[TensorInfo, torch.Tensor]] = deque()
+        self._waiting = 0  # bytes handed over and not yet written
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="final-weights-writer", daemon=True)
+        self._thread.start()
 
     def write(self, info: TensorInfo, value: torch.Tensor) -> None:
-        if self.failure:
-            return
+        host = value.detach().to("cpu")  # a device tensor reaches the host here, one at a time
+        with self._changed:
+            self._changed.wait_for(lambda: self._waiting == 0 or self._waiting + info.nbytes <= self.budget)
+            self._queue.append((info, host))
+            self._waiting += info.nbytes
+            self._changed.notify_all()
+
+    def finish(self) -> str:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join()
+        return self.failure
+
+    def _run(self) -> None:
+        current: TensorFileWriter | None = None
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._queue) or self._closed)
+                if not self._queue:
+                    break
+                info, host = self._queue[0]
+            if not self.failure:
+                current = self._append(current, info, host)
+            with self._changed:
+                self._queue.popleft()
+                self._waiting -= info.nbytes
+                self._changed.notify_all()
+            del host
+        if current is not None:  # a file left unfinished by a failure
+            current.discard()
+
+    def _append(self, current: TensorFileWriter | None, info: TensorInfo, host: torch.Tensor) -> TensorFileWriter | None:
         index = self.plan.file_of[info.name]
         try:
-            if self.open is None:
+            if current is None:
                 path = self.staging / self.plan.names[index]
-                self.open = TensorFileWriter(path, self.plan.files[index], set_metadata(self.step))
-            self.open.write(info.name, value.detach().to("cpu"))  # one tensor on the host at a time
-            if self.open.done:
-                self.open.close()
-                self.open = None
-        except write_errors() as err:
-            self.failure = (f"rank {self.rank} could not write {self.plan.names[index]} of the final weights: "
-                            f"{describe_write_error(err)}")
-            self.discard()
-
-    def discard(self) -> None:
-        if self.open is not None:
-            self.open.discard()
-            self.open = None
+                current = TensorFileWriter(path, self.plan.files[index], set_metadata(self.step))
+            current.write(info.name, host)
+            if current.done:
+                current.close()
+                current = None
+        except Exception as err:  # noqa: BLE001 - reported to every rank by the walk's agreement
+            why = describe_write_error(err) if isinstance(err, write_errors()) else repr(err)
+            self.failure = f"rank {self.rank} could not write {self.plan.names[index]} of the final weights: {why}"
+            if current is not None:
+                current.discard()
+            current = None
+        return current
 
 
 class DrySink:
@@ -320,8 +368,8 @@ class DrySink:
             raise FinalWeightsError(f"{info.name} arrived as {value.dtype} {list(value.shape)} on {value.device}, "
                                     f"expected {info.dtype} {list(info.shape)} on {self.device}")
 
-    def discard(self) -> None:
-        pass
+    def finish(self) -> str:
+        return ""
 
 
 # ------------------------------------------------------------------------------------- the walk
@@ -382,8 +430,7 @@ def _walk(plan: FinalWeightsPlan, model: Any, sink: FileSink | DrySink) -> str:
                 assert value is not None
                 sink.write(info, value)
             del value
-    sink.discard()
-    return sink.failure or _check_counts(counts, model, isinstance(sink, DrySink))
+    return sink.finish() or _check_counts(counts, model, isinstance(sink, DrySink))
 
 
 def write_final_weights(model: Any, run_dir: Path, step: int, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Path | None:
@@ -404,7 +451,7 @@ def write_final_weights(model: Any, run_dir: Path, step: int, max_file_bytes: in
     failure = _prepare_staging(run_dir, staging) if mesh.rank == 0 else ""
     if agree_max(1 if failure else 0, model):  # nobody writes before the staging folder exists
         raise FinalWeightsError(failure or "rank 0 could not prepare the final weights' folder")
-    failure = _walk(plan, model, FileSink(plan, staging, mesh.rank, step))
+    failure = _walk(plan, model, FileSink(plan, staging, mesh.rank, step, budget=plan.largest_file_bytes))
     if agree_max(1 if failure else 0, model):
         _discard(staging, mesh.rank)
         raise FinalWeightsError(failure or "another rank failed to write its files of the final weights")

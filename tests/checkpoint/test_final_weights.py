@@ -210,15 +210,19 @@ def test_the_plan_spreads_files_over_the_stage_holding_them_and_gives_a_tied_emb
         on_writer = sum(t.nbytes for t in members if plan.owners[t.name] == rank_to_coords(writer, config.layout).pp)
         assert 2 * on_writer >= sum(t.nbytes for t in members)  # the writer's stage holds most of the file
     assert len(set(plan.writers)) == min(len(plan.files), 8)  # files go round the stage's ranks
+    interleaved = validate(_with_layout(_tiny(), pp=2, vpp=2, pp_schedule="interleaved", grad_accum=2), 2)
+    owners = plan_final_weights(interleaved).owners  # virtual stage s on pipeline rank s % pp
+    assert [owners[f"layers.{i}.attn.wq.weight"] for i in range(4)] == [0, 1, 0, 1]
+    assert owners["embed.weight"] == 0 and owners["head.weight"] == 1
 
 
 # ------------------------------------------------------------------- saving under layouts (pool)
 
 LAYOUTS = [
     pytest.param("tiny", dict(dp=2), {}, 2, id="dp"),
-    pytest.param("tiny", dict(dp=2, zero=3), {}, 2, id="zero3"),
     # 4 ranks over 2 kv heads: each kv head repeated on 2 ranks; 258 rows padded to 260
     pytest.param("tiny", dict(tp=4, sequence_parallel=True), {"vocab_size": 258}, 4, id="tp4-sp-repeated-kv-padded-vocab"),
+    # flat ranges of column-parallel (contiguous) and row-parallel (strided) boxes
     pytest.param("tiny", dict(dp=2, tp=2, zero=3), {}, 4, id="zero3-tp2"),
     pytest.param("tiny", dict(pp=2, dp=2), {"tied_embeddings": True}, 4, id="pp2-tied"),
     pytest.param("tiny-moe", dict(dp=4, ep=2), {}, 4, id="ep2-dp4"),
@@ -255,14 +259,14 @@ def test_the_final_save_equals_the_single_process_and_no_rank_allocates_more_tha
     ref = reference(config, 2).params
     for name, tensor in trained.items():
         assert ((tensor - ref[name]).abs() - PARAM_RTOL * ref[name].abs()).max().item() <= PARAM_ATOL, name
-    # Memory: a rank's save allocates at most one full tensor and a part of another, less than the
-    # largest file, where the in-memory gather allocates the whole model on every rank.
+    # Memory: a rank's save allocates at most a file's worth waiting to be written and the tensor it
+    # assembles, where the in-memory gather allocates the whole model on every rank.
     model_bytes = sum(t.nbytes for t in tensors)
     file_bytes = max(sum(t.nbytes for t in f) for f in split_into_files(tensors, max_file))
     for rank, r in enumerate(results):
         print(f"rank {rank}: save peak {r['save_peak']:,} B (largest tensor {largest:,}, largest file {file_bytes:,}, "
               f"model {model_bytes:,}); in-memory gather peak {r['gather_peak']:,} B")
-        assert r["save_peak"] <= min(file_bytes, 2 * largest), (rank, r["save_peak"], file_bytes, largest)
+        assert r["save_peak"] <= file_bytes + largest, (rank, r["save_peak"], file_bytes, largest)
         assert r["gather_peak"] >= model_bytes, (rank, r["gather_peak"], model_bytes)
 
 
@@ -300,6 +304,8 @@ META_LAYOUTS = [  # and the axes the save must communicate over
                  {"tp", "pp"}, id="pp2-tp2-sp-tied"),
     pytest.param("tiny", dict(dp=2, tp=2, zero=3), {}, {"dp_cp", "tp"}, id="zero3-tp2"),
     pytest.param("tiny-moe", dict(dp=4, ep=2), {}, {"dp_cp"}, id="ep2-dp4"),
+    pytest.param("tiny-moe", dict(dp=2, ep=2, tp=2), {}, {"dp_cp", "tp"}, id="ep2-tp2"),
+    pytest.param("tiny", dict(pp=2, vpp=2, dp=2, zero=1, pp_schedule="interleaved", grad_accum=2), {}, {"pp"}, id="pp2-vpp2-zero1"),
 ]
 
 
