@@ -347,11 +347,12 @@ def _train_in(
     try:
         with _progress(is_main and show_progress, config.train.steps) as progress:
             records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress, prediction)
-        path = None if stopped else save_final_weights(model, run_dir, config, config.train.steps)
+        path = None if stopped else save_final_weights(model, run_dir, config, max(start, config.train.steps))
     finally:
         log.close()
     if is_main and records:
         first, last = records[0]["loss"], records[-1]["loss"]
-        where = f"weights: {path}" if path else "stopped by SIGTERM after a checkpoint"
+        where = (f"weights: {path}" if path else "stopped by SIGTERM after a checkpoint" if stopped
+                 else f"no weights written: nothing has values on the {device} device")
         print(f"loss {first:.4f} -> {last:.4f} in {len(records)} steps; {where}; metrics: {log.path}")
     return records

@@ -132,8 +132,9 @@ def newest_weights(path: Path, step: int | None = None) -> RunWeights:
                               + (f" and its final weights hold step {final.step}" if final is not None else ""))
     checkpoint = find_checkpoint(path)
     if checkpoint is None and final is None:
-        raise CheckpointError(f"{path} has neither a checkpoint nor final weights ({SINGLE_FILE} or {INDEX_FILE}) "
-                              "with config.json")
+        raise CheckpointError(f"{path} has neither a checkpoint nor final weights ({SINGLE_FILE} or {INDEX_FILE} "
+                              f"with config.json); train it first (fivefold train --run-dir {path}) or give "
+                              "--run-dir a checkpoint folder")
     if checkpoint is None:
         return RunWeights(None, final, final.step if final else None)
     checkpoint_step = int(read_manifest(checkpoint)["step"])
@@ -147,14 +148,16 @@ def _has_checkpoint_of(path: Path, step: int) -> bool:
 
 
 def _usable_final_weights(path: Path) -> TensorSet | None:
-    """The run's final weights if they and its config.json are there; unreadable ones are skipped, said so."""
-    if not (path / "config.json").is_file():
-        return None
+    """The run's final weights if they and its config.json are there; unusable ones are skipped, said so."""
     try:
-        return final_weights_of(path)
+        found = final_weights_of(path)
     except CheckpointError as err:
         print(f"warning: skipping the final weights: {err}")
         return None
+    if found is not None and not (path / "config.json").is_file():
+        print(f"warning: skipping the final weights: {path / 'config.json'}, which describes their model, is missing")
+        return None
+    return found
 
 
 def _final_is_newer(final: TensorSet, checkpoint_step: int, checkpoint: Path) -> bool:

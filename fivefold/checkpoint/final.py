@@ -347,8 +347,7 @@ class FileSink:
                 current.close()
                 current = None
         except Exception as err:  # noqa: BLE001 - reported to every rank by the walk's agreement
-            why = describe_write_error(err) if isinstance(err, write_errors()) else repr(err)
-            self.failure = f"rank {self.rank} could not write {self.plan.names[index]} of the final weights: {why}"
+            self.failure = f"rank {self.rank} could not write {self.plan.names[index]} of the final weights: {_reason(err)}"
             if current is not None:
                 current.discard()
             current = None
@@ -442,10 +441,8 @@ def write_final_weights(model: Any, run_dir: Path, step: int, max_file_bytes: in
     """
     run_dir, mesh = Path(run_dir), model.mesh
     plan = plan_final_weights(model.config, max_file_bytes)
-    if model.device.type == "meta":
-        failure = _walk(plan, model, DrySink(model.device))
-        if agree_max(1 if failure else 0, model):
-            raise FinalWeightsError(failure or "another rank failed to assemble the final weights")
+    if model.device.type == "meta":  # shapes only: the walk's collectives, nothing to write or agree on
+        _walk(plan, model, DrySink(model.device))
         return None
     staging = run_dir / STAGING_DIR
     failure = _prepare_staging(run_dir, staging) if mesh.rank == 0 else ""
@@ -468,8 +465,8 @@ def _prepare_staging(run_dir: Path, staging: Path) -> str:
         restore_interrupted_replace(run_dir)
         shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted save
         staging.mkdir(parents=True)
-    except write_errors() as err:
-        return f"could not prepare {staging}: {describe_write_error(err)}"
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it (the agreement), not only rank 0
+        return f"could not prepare {staging}: {_reason(err)}"
     return ""
 
 
@@ -478,9 +475,13 @@ def _commit(plan: FinalWeightsPlan, staging: Path, run_dir: Path, step: int) -> 
         if len(plan.files) > 1:
             write_index(staging, plan.files, step)
         replace_set(staging, run_dir)
-    except write_errors() as err:
-        return f"could not commit the final weights in {run_dir}: {describe_write_error(err)}"
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it (the agreement), not only rank 0
+        return f"could not commit the final weights in {run_dir}: {_reason(err)}"
     return ""
+
+
+def _reason(err: Exception) -> str:
+    return describe_write_error(err) if isinstance(err, write_errors()) else repr(err)
 
 
 def _discard(staging: Path, rank: int) -> None:
