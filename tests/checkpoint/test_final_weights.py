@@ -447,3 +447,30 @@ def test_a_disk_that_fills_during_the_final_save_keeps_the_previous_weights_and_
         assert words in line, line
     assert hashlib.sha256((run / SINGLE_FILE).read_bytes()).hexdigest() == before
     assert TensorSet.locate(run).step == 2 and not (run / ".tmp_final_weights").exists()
+
+
+def test_a_sharded_set_is_read_by_generate_and_export_and_the_export_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    config = _tiny(layers=2)
+    model = build(config, Mesh.single(config.layout), torch.device("cpu"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(config.to_dict()))
+    write_final_weights(model, run, 1, max_file_bytes=50_000)
+    assert len(TensorSet.locate(run).files) > 2
+    code, log = _cli(["generate", "--run", run, "--prompt", "def ", "--max-new-tokens", "4"])
+    assert code == 0, log
+    from fivefold.checkpoint import export_hf
+
+    out, _ = export_hf(run, tmp_path / "hf")
+    from fivefold.checkpoint.hf import write_hf_folder
+
+    sharded = write_hf_folder(model.full_parameters(), config.model, tmp_path / "hf-sharded", step=1, max_file_bytes=50_000)
+    assert (sharded / INDEX_FILE).is_file() and not (sharded / SINGLE_FILE).exists()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, _ = model.chunks[0](ids)
+        for folder in (out, sharded):
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+            assert (reloaded(input_ids=ids).logits - expected).abs().max().item() < 1e-5, folder
