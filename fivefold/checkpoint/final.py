@@ -52,7 +52,7 @@ from __future__ import annotations
 import shutil
 import threading
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +87,8 @@ from .sets import (
 from .state import RUNTIME_BUFFERS
 
 STAGING_DIR = ".tmp_final_weights"
-# The axes inside a pipeline stage: a stage's ranks are dp_cp x tp (ep and edp split dp_cp).
-_DATA_AXES = ("dp_cp", "dp", "cp", "ep", "edp")
+# A pipeline stage's ranks are dp_cp x tp; these axes all lie within dp_cp (ep and edp split it).
+_WITHIN_DP_CP = ("dp_cp", "dp", "cp", "ep", "edp")
 
 
 class FinalWeightsError(CheckpointError):
@@ -106,7 +106,7 @@ class FinalWeightsPlan:
     owners: dict[str, int]  # tensor name -> the pipeline rank whose stage holds (or first holds) it
     files: list[list[TensorInfo]]
     writers: list[int]  # global rank writing each file
-    file_of: dict[str, int] = field(default_factory=dict)
+    file_of: dict[str, int]  # tensor name -> index of its file
 
     def writer_of(self, name: str) -> int:
         return self.writers[self.file_of[name]]
@@ -207,24 +207,27 @@ class Assembly:
     """How the ranks of a stage assemble one tensor: over which axes, and which parts count."""
 
     reduce: tuple[str, ...]  # axes summed over, in order ("dp_cp", "tp")
-    replicated_over: tuple[str, ...]  # axes whose ranks hold copies of a part
-    repeats: dict[str, int]
+    repeats: dict[str, int]  # axis -> k: runs of k ranks hold the same part (a repeated kv head)
     padded_shape: tuple[int, ...]
     whole: bool  # every rank of the stage holds the tensor whole: nothing to assemble
 
 
 def assembly_of(held: HeldTensor, mesh: Any) -> Assembly:
-    """The same answer on every rank of a stage: it depends on the placement and the mesh only."""
+    """The same answer on every rank of a stage: it depends on the placement and the mesh only.
+
+    The axes summed over are those of the stage (dp_cp, tp) whose ranks do not hold copies:
+    the axes that split the tensor.
+    """
     placement = held.placement
     over = placement.replicated_over
     if held.flat_pieces is not None:  # ZeRO-3: no longer a copy over the axis it shards over
         over = tuple(a for a in over if a != reduction_axis(placement))
     reduce = tuple(a for a in ("dp_cp", "tp") if a not in over and mesh[a].size > 1)
     padded = tuple(placement.padded_shape or placement.global_shape)
-    offsets, shape = placement.box()
+    _, shape = placement.box()
     whole = (not reduce and held.flat_pieces is None and padded == tuple(placement.global_shape)
              and tuple(shape) == padded)
-    return Assembly(reduce, over, repeats(placement), padded, whole)
+    return Assembly(reduce, repeats(placement), padded, whole)
 
 
 def contributes(assembly: Assembly, replicated_over: tuple[str, ...], mesh: Any) -> bool:
@@ -233,7 +236,7 @@ def contributes(assembly: Assembly, replicated_over: tuple[str, ...], mesh: Any)
     Copies over an axis that is not summed (a tensor-parallel part replicated over dp_cp) are
     assembled by each replica group on its own, so each counts there.
     """
-    inside = set(_DATA_AXES if "dp_cp" in assembly.reduce else ()) | ({"tp"} if "tp" in assembly.reduce else set())
+    inside = set(_WITHIN_DP_CP if "dp_cp" in assembly.reduce else ()) | ({"tp"} if "tp" in assembly.reduce else set())
     first_copy = all(mesh[a].rank == 0 for a in replicated_over if a in inside)
     first_repeat = all(mesh[a].rank % k == 0 for a, k in assembly.repeats.items() if a in inside)
     return first_copy and first_repeat
