@@ -452,9 +452,11 @@ def write_final_weights(model: Any, run_dir: Path, step: int, max_file_bytes: in
     if agree_max(1 if failure else 0, model):  # nobody writes before the staging folder exists
         raise FinalWeightsError(failure or "rank 0 could not prepare the final weights' folder")
     failure = _walk(plan, model, FileSink(plan, staging, mesh.rank, step, budget=plan.largest_file_bytes))
-    if agree_max(1 if failure else 0, model):
+    failed = agree_max(mesh.rank + 1 if failure else 0, model)  # the last rank that failed, plus one
+    if failed:
         _discard(staging, mesh.rank)
-        raise FinalWeightsError(failure or "another rank failed to write its files of the final weights")
+        raise FinalWeightsError(failure or f"rank {failed - 1} could not write its files of the final weights "
+                                "(its own message says why)")
     if mesh.rank == 0:
         failure = _commit(plan, staging, run_dir, step)
     if agree_max(1 if failure else 0, model):

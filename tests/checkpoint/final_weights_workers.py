@@ -81,3 +81,30 @@ def save_before_and_after_training(ctx, config: Config, folder: str, steps: int,
         full = model.full_parameters()  # the in-memory gather parity checks use: the whole model
     return {"save_peak": save.peak, "save_largest": save.largest, "gather_peak": gather.peak,
             "full": full if mesh.rank == 0 else None}
+
+
+def save_with_a_full_disk_on_the_last_rank(ctx, config: Config, folder: str, max_file_bytes: int) -> str:
+    """Save once, then again with writes beyond 1 kB failing on the last rank only; the error each rank got."""
+    import resource
+    import signal
+
+    from fivefold.checkpoint import FinalWeightsError
+
+    config = validate(config, ctx.world_size)
+    mesh = ctx.mesh(config.layout)
+    model = build(config, mesh, torch.device("cpu"))
+    write_final_weights(model, Path(folder), 0, max_file_bytes)
+    last = mesh.rank == mesh.world_size - 1
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN) if last else None
+    if last:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+    try:
+        write_final_weights(model, Path(folder), 5, max_file_bytes)
+    except FinalWeightsError as err:
+        return str(err)
+    finally:
+        if last:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, previous)
+    return ""

@@ -474,3 +474,15 @@ def test_a_sharded_set_is_read_by_generate_and_export_and_the_export_loads_in_tr
         for folder in (out, sharded):
             reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
             assert (reloaded(input_ids=ids).logits - expected).abs().max().item() < 1e-5, folder
+
+
+def test_a_rank_whose_disk_fills_fails_the_save_on_every_rank_and_the_previous_set_stays(pools, tmp_path):
+    config = validate(_with_layout(_tiny(layers=2), dp=2), 2)
+    max_file = 2 * max(t.nbytes for t in saved_tensors(config.model))
+    assert set(plan_final_weights(config, max_file).writers) == {0, 1}
+    errors = pools.run(2, workers.save_with_a_full_disk_on_the_last_rank, config, str(tmp_path), max_file)
+    assert "rank 1 could not write model-" in errors[1] and "File too large" in errors[1], errors
+    assert "rank 1 could not write its files" in errors[0], errors
+    found = TensorSet.locate(tmp_path)
+    assert found is not None and found.step == 0 and len(found.read_all()) == len(saved_tensors(config.model))
+    assert not (tmp_path / ".tmp_final_weights").exists()
