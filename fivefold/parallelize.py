@@ -61,11 +61,13 @@ class ParallelModel:
         return list(self.chunks)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the whole model as full tensors, on every rank (small models)."""
+        """Every parameter of the whole model as full host tensors, on every rank (small models:
+        parity checks; a run's final weights are written without gathering, checkpoint/final.py)."""
         from .parallel.sharding import full_shapes, gather_full_state
 
         with self.optimizer.gathered():  # ZeRO-3 shards parameters
-            return gather_full_state(list(self.chunks), self.mesh, full_shapes(self.config.model))
+            full = gather_full_state(list(self.chunks), self.mesh, full_shapes(self.config.model))
+        return {name: tensor.cpu() for name, tensor in full.items()}
 
 
 def build_chunks(config: Config, mesh: Mesh) -> list[Transformer]:

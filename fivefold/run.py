@@ -106,16 +106,21 @@ def new_run_dir(config: Config) -> Path:
     return default_run_dir(config.model.name)
 
 
-def save_final_weights(model, run_dir: Path, config: Config) -> Path | None:
-    """Gather the full model and write model.safetensors + config.json (rank 0), each atomically."""
-    from safetensors.torch import save_file
+def save_final_weights(model, run_dir: Path, config: Config, step: int) -> Path | None:
+    """The end of a run: the full weights after `step` steps as a safetensors set, then config.json.
 
-    full = model.full_parameters()
-    if model.mesh.rank != 0:
-        return None
-    tensors = {k: v.contiguous() for k, v in full.items()}
-    path = atomic_write(run_dir / "model.safetensors", lambda side: save_file(tensors, str(side)))
-    write_json(run_dir / "config.json", config.to_dict())
+    Every rank calls this and writes its share (fivefold/checkpoint/final.py: no rank gathers
+    the model). Returns the set's head on rank 0 (None elsewhere, and on the meta device,
+    where nothing has values). A failed write keeps the previous final weights and says so.
+    """
+    from .checkpoint import FinalWeightsError, what_is_kept, write_final_weights
+
+    try:
+        path = write_final_weights(model, run_dir, step)
+    except FinalWeightsError as err:
+        raise RunError(f"{err}; {what_is_kept(run_dir)}") from None
+    if path is not None:
+        write_json(run_dir / "config.json", config.to_dict())
     return path
 
 
@@ -168,11 +173,13 @@ def resume_step(model, config: Config, run_dir: Path) -> int:
     """With checkpoint.resume, load the newest usable checkpoint of the run; the step to start at."""
     if not config.checkpoint.resume:
         return 0
-    from .checkpoint import checkpoint_root, resume_latest
+    from .checkpoint import checkpoint_root, list_checkpoints, resume_latest, step_dir
 
-    step = resume_latest(model, checkpoint_root(run_dir))
-    if model.mesh.rank == 0:
-        print(f"resuming at step {step}" if step else f"no checkpoint in {checkpoint_root(run_dir)}: starting at step 0")
+    root = checkpoint_root(run_dir)
+    found = bool(list_checkpoints(root))  # resume_latest loads one of them or raises
+    step = resume_latest(model, root)
+    if model.mesh.rank == 0:  # step 0 is a checkpoint too: the weights `convert import` wrote
+        print(f"resuming at step {step} from {step_dir(root, step)}" if found else f"no checkpoint in {root}: starting at step 0")
     return step
 
 
@@ -340,11 +347,12 @@ def _train_in(
     try:
         with _progress(is_main and show_progress, config.train.steps) as progress:
             records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress, prediction)
-        path = None if stopped else save_final_weights(model, run_dir, config)
+        path = None if stopped else save_final_weights(model, run_dir, config, max(start, config.train.steps))
     finally:
         log.close()
     if is_main and records:
         first, last = records[0]["loss"], records[-1]["loss"]
-        where = f"weights: {path}" if path else "stopped by SIGTERM after a checkpoint"
+        where = (f"weights: {path}" if path else "stopped by SIGTERM after a checkpoint" if stopped
+                 else f"no weights written: nothing has values on the {device} device")
         print(f"loss {first:.4f} -> {last:.4f} in {len(records)} steps; {where}; metrics: {log.path}")
     return records

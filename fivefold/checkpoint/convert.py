@@ -1,15 +1,16 @@
 """Hugging Face export and import (`fivefold convert`), and the full weights of a run.
 
-Export assembles the full tensors of a run's newest checkpoint (any layout) or of its final
-`model.safetensors` and writes a folder `transformers` loads; import turns a Hugging Face
-Llama/Mixtral folder into a new run directory whose step 0 holds the weights only, so that
-fine-tuning starts with a fresh optimizer.
+Export takes a run's newest weights (by the step each holds: its newest checkpoint, assembled
+from the shards of any layout, or its final weights) and writes a folder `transformers` loads;
+import turns a Hugging Face Llama/Mixtral folder into a new run directory whose step 0 holds
+the weights only, so that fine-tuning starts with a fresh optimizer.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from .format import (
     write_rank_files,
 )
 from .reader import CheckpointReader, check_model_fits
+from .sets import INDEX_FILE, SINGLE_FILE, TensorSet, describe
 from .state import RUNTIME_BUFFERS
 
 
@@ -57,51 +59,130 @@ def _read_run_config(path: Path) -> Config:
         raise CheckpointError(f"{path} is not the config.json of a run: {err}") from None
 
 
-def _read_weights(path: Path, config: Config) -> dict[str, torch.Tensor]:
-    """The saved tensors, after their shapes (from the file header) were checked against the config."""
-    from safetensors import safe_open
-
+def _read_weights(found: TensorSet, config: Config) -> dict[str, torch.Tensor]:
+    """The saved tensors, after their shapes (from the file headers) were checked against the config."""
     from ..parallel.sharding import full_shapes
 
     expected = {n: s for n, s in full_shapes(config.model).items() if not n.endswith(RUNTIME_BUFFERS)}
+    where = describe(found)
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
-            problems = [f"{n}: file {list(shapes[n])}, config {list(s)}" for n, s in expected.items()
-                        if n in shapes and shapes[n] != s]
-            missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
-            if problems or missing or unexpected:
-                raise CheckpointError(f"{path} does not match the model in config.json: " + "; ".join(
-                    problems[:3] + ([f"missing {missing[:5]}"] if missing else [])
-                    + ([f"unexpected {unexpected[:5]}"] if unexpected else [])))
-            return {key: handle.get_tensor(key) for key in shapes}
+        shapes = found.shapes()
+        problems = [f"{n}: file {list(shapes[n])}, config {list(s)}" for n, s in expected.items()
+                    if n in shapes and shapes[n] != s]
+        missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+        if problems or missing or unexpected:
+            raise CheckpointError(f"{where} does not match the model in config.json: " + "; ".join(
+                problems[:3] + ([f"missing {missing[:5]}"] if missing else [])
+                + ([f"unexpected {unexpected[:5]}"] if unexpected else [])))
+        return found.read_all()
     except CheckpointError:
         raise
     except Exception as err:  # safetensors raises its own error types for a malformed file
-        raise CheckpointError(f"{path} cannot be read as safetensors weights: {err}") from None
+        raise CheckpointError(f"{where} cannot be read as safetensors weights: {err}") from None
+
+
+def final_weights_of(run_dir: Path) -> TensorSet | None:
+    """The final weights a run saved (model.safetensors, or a sharded set with its index), if any."""
+    return TensorSet.locate(Path(run_dir))
 
 
 def read_final_weights(run_dir: Path) -> tuple[Config, dict[str, torch.Tensor]]:
-    """The final weights a run saved (model.safetensors + config.json), checked against that config."""
-    config = _read_run_config(Path(run_dir) / "config.json")
-    check_model_fits(config.model, Path(run_dir) / "config.json")
-    return config, _read_weights(Path(run_dir) / "model.safetensors", config)
+    """The final weights a run saved and its config.json, checked against each other."""
+    run_dir = Path(run_dir)
+    config = _read_run_config(run_dir / "config.json")
+    check_model_fits(config.model, run_dir / "config.json")
+    found = final_weights_of(run_dir)
+    if found is None:
+        raise CheckpointError(f"{run_dir} has no final weights ({SINGLE_FILE} and {INDEX_FILE} are missing)")
+    return config, _read_weights(found, config)
+
+
+@dataclass(frozen=True)
+class RunWeights:
+    """Where a run's weights come from: a checkpoint directory or the final weights, and their step."""
+
+    checkpoint: Path | None
+    final: TensorSet | None
+    step: int | None
+
+    def describe(self) -> str:
+        if self.checkpoint is not None:
+            return f"checkpoint {self.checkpoint}"
+        return f"final weights {describe(self.final)}"
+
+
+def newest_weights(path: Path, step: int | None = None) -> RunWeights:
+    """The newest weights of a run: its newest checkpoint or its final weights, by the step each holds.
+
+    A tie goes to the checkpoint, whose files carry checksums. Final weights written before
+    they recorded their step are placed by their modification time against the checkpoint's.
+    With `step`, the checkpoint of that step, else final weights holding it.
+    """
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return RunWeights(path, None, None)
+    final = _usable_final_weights(path)
+    if step is not None:
+        found = find_checkpoint(path, step) if _has_checkpoint_of(path, step) else None
+        if found is not None:
+            return RunWeights(found, None, step)
+        if final is not None and final.step == step:
+            return RunWeights(None, final, step)
+        raise CheckpointError(f"{path} has no usable checkpoint of step {step}"
+                              + (f" and its final weights hold step {final.step}" if final is not None else ""))
+    checkpoint = find_checkpoint(path)
+    if checkpoint is None and final is None:
+        raise CheckpointError(f"{path} has neither a checkpoint nor final weights ({SINGLE_FILE} or {INDEX_FILE} "
+                              f"with config.json); train it first (fivefold train --run-dir {path}) or give "
+                              "--run-dir a checkpoint folder")
+    if checkpoint is None:
+        return RunWeights(None, final, final.step if final else None)
+    checkpoint_step = int(read_manifest(checkpoint)["step"])
+    if final is None or not _final_is_newer(final, checkpoint_step, checkpoint):
+        return RunWeights(checkpoint, None, checkpoint_step)
+    return RunWeights(None, final, final.step)
+
+
+def _has_checkpoint_of(path: Path, step: int) -> bool:
+    return step_dir(checkpoint_root(path), step).is_dir()
+
+
+def _usable_final_weights(path: Path) -> TensorSet | None:
+    """The run's final weights if they and its config.json are there; unusable ones are skipped, said so."""
+    try:
+        found = final_weights_of(path)
+    except CheckpointError as err:
+        print(f"warning: skipping the final weights: {err}")
+        return None
+    if found is not None and not (path / "config.json").is_file():
+        print(f"warning: skipping the final weights: {path / 'config.json'}, which describes their model, is missing")
+        return None
+    return found
+
+
+def _final_is_newer(final: TensorSet, checkpoint_step: int, checkpoint: Path) -> bool:
+    if final.step is not None:
+        return final.step > checkpoint_step
+    newest_file = max(p.stat().st_mtime for p in final.paths)
+    return newest_file > (checkpoint / MANIFEST).stat().st_mtime
 
 
 def full_state_of_run(path: Path, step: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Full tensors of a run's newest checkpoint, or of its final model.safetensors."""
+    """Full tensors of a run's newest weights: its newest checkpoint or its final weights, whichever is newer."""
+    return _full_state(newest_weights(path, step))
+
+
+def _full_state(source: RunWeights) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from ..parallel.sharding import full_shapes
 
-    found = find_checkpoint(path, step)
-    if found is not None:
-        manifest = read_manifest(found)
-        reader = CheckpointReader(found, manifest)
+    if source.checkpoint is not None:
+        reader = CheckpointReader(source.checkpoint, read_manifest(source.checkpoint))
         model_config = reader.model_config
         return model_config, {name: reader.read_full(name) for name in full_shapes(model_config)}
-    if not ((Path(path) / "model.safetensors").is_file() and (Path(path) / "config.json").is_file()):
-        raise CheckpointError(f"{path} has neither a checkpoint nor model.safetensors + config.json")
-    config, state = read_final_weights(Path(path))
-    return config.model, state
+    assert source.final is not None
+    config = _read_run_config(source.final.folder / "config.json")
+    check_model_fits(config.model, source.final.folder / "config.json")
+    return config.model, _read_weights(source.final, config)
 
 
 def check_export_target(out: Path) -> None:
@@ -117,13 +198,14 @@ def check_export_target(out: Path) -> None:
         raise CheckpointError(f"--out {out} is not empty; export into a new or empty folder")
 
 
-def export_hf(path: Path, out: Path, step: int | None = None) -> Path:
-    """Write a Hugging Face folder (config.json + model.safetensors) from a run or checkpoint."""
+def export_hf(path: Path, out: Path, step: int | None = None) -> tuple[Path, RunWeights]:
+    """Write a Hugging Face folder from a run's newest weights (or a checkpoint); returns it and the source."""
     from .hf import write_hf_folder
 
     check_export_target(out)
-    model_config, state = full_state_of_run(path, step)
-    return write_hf_folder(state, model_config, out)
+    source = newest_weights(path, step)
+    model_config, state = _full_state(source)
+    return write_hf_folder(state, model_config, out, step=source.step), source
 
 
 def _toml_value(value: Any) -> str:
@@ -202,18 +284,19 @@ def run_convert_cli(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="fivefold convert", description="Hugging Face export and import")
     sub = parser.add_subparsers(dest="direction", required=True)
-    export = sub.add_parser("export", help="a run's newest checkpoint (or final weights) -> Hugging Face folder")
+    export = sub.add_parser("export", help="a run's newest weights (checkpoint or final weights) -> Hugging Face folder")
     export.add_argument("--run-dir", required=True, help="run directory or one checkpoint directory")
-    export.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the newest)")
-    export.add_argument("--out", required=True, help="folder to write config.json + model.safetensors to")
+    export.add_argument("--step", type=int, default=None,
+                        help="the weights of this step: a checkpoint, or the final weights (default: the newest)")
+    export.add_argument("--out", required=True, help="folder to write config.json and the safetensors files to")
     imp = sub.add_parser("import", help="Hugging Face Llama/Mixtral folder -> starting weights of a new run")
     imp.add_argument("--hf", required=True, help="folder with config.json and *.safetensors")
     imp.add_argument("--run-dir", required=True, help="new run directory to create")
     imp.add_argument("--config", default="tiny", help="preset giving the training settings (default: tiny)")
     args = parser.parse_args(argv)
     if args.direction == "export":
-        out = export_hf(Path(args.run_dir), Path(args.out), args.step)
-        print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+        out, source = export_hf(Path(args.run_dir), Path(args.out), args.step)
+        print(f"wrote {out} from the {source.describe()} (load with transformers.AutoModelForCausalLM.from_pretrained)")
         return 0
     run_dir = import_hf(Path(args.hf), Path(args.run_dir), args.config)
     print(f"imported {args.hf} into {run_dir}; fine-tune with: "

@@ -310,9 +310,11 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     return config, {k: v.float().contiguous() for k, v in state.items()}
 
 
-def write_hf_folder(state: Mapping[str, torch.Tensor], config: ModelConfig, folder: str | Path) -> Path:
-    """Write config.json + model.safetensors that `AutoModelForCausalLM.from_pretrained` loads."""
-    from safetensors.torch import save_file
+def write_hf_folder(state: Mapping[str, torch.Tensor], config: ModelConfig, folder: str | Path,
+                    step: int | None = None, max_file_bytes: int | None = None) -> Path:
+    """Write config.json and the weights (one model.safetensors, or a sharded set with its index, as
+    `save_pretrained` writes them) that `AutoModelForCausalLM.from_pretrained` loads."""
+    from .sets import DEFAULT_MAX_FILE_BYTES, write_set
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -321,5 +323,5 @@ def write_hf_folder(state: Mapping[str, torch.Tensor], config: ModelConfig, fold
     hf_config.dtype = "float32"
     hf_config.save_pretrained(str(folder))
     tensors = {k: v.detach().float().contiguous() for k, v in state_dict_to_hf(state, config).items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_set(folder, tensors, step=step, max_file_bytes=max_file_bytes or DEFAULT_MAX_FILE_BYTES)
     return folder

@@ -8,9 +8,10 @@ A run folder holds one run's metrics, checkpoints and final weights. Three rules
 - a folder that already holds something is refused unless the run continues it (`--resume`)
   or replaces it (`--overwrite`, which empties a previous run's folder first, and refuses a
   folder that does not look like a run, so a mistyped `--run-dir ~` deletes nothing);
-- files a reader may open at any time (final weights, config.json) are written to a side
-  file, flushed to disk, then renamed over the old one: a crash or a full disk leaves the
-  old file whole.
+- files a reader may open at any time (config.json, an index) are written to a side file,
+  flushed to disk, then renamed over the old one: a crash or a full disk leaves the old file
+  whole; the final weights, several files, are written whole into a staging folder first and
+  replace the previous set together (fivefold/checkpoint/sets.py).
 
 Nothing here imports torch, so the launcher checks a folder before it starts any process.
 """

@@ -152,16 +152,20 @@ def initial_shard(placement: Placement, config: ModelConfig, seed: int) -> torch
 
 @torch.no_grad()
 def gather_full_state(
-    modules: list[nn.Module], mesh: Mesh, shapes: dict[str, tuple[int, ...]], values: str = "data"
+    modules: list[nn.Module], mesh: Mesh, shapes: dict[str, tuple[int, ...]], values: str = "data",
+    device: torch.device | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full tensors of the whole model (every rank gets them), from this rank's shards.
 
     `shapes` are the full model's tensor shapes by name (from a meta-built reference).
     values="grad" gathers gradients instead. The primary replica of each shard writes it into
     a zero tensor and one sum over the world assembles everything exactly (adding zeros
-    changes no bit). Meant for tests, parity checks and small models.
+    changes no bit). The tensors live on `device`, by default the shards' own (a CUDA shard is
+    never added into a host buffer). Every rank holds the whole model: for tests, parity checks
+    and small models only; a run's final weights are written by `fivefold.checkpoint.final`.
     """
-    full = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    device = device or _device_of(modules)
+    full = {name: torch.zeros(shape, device=device) for name, shape in shapes.items()}
     for module in modules:
         for name, tensor in _local_tensors(module):
             placement = get_placement(tensor, name)
@@ -187,6 +191,13 @@ def gather_full_state(
             full[n] = flat[offset : offset + numel].view_as(full[n])
             offset += numel
     return full
+
+
+def _device_of(modules: list[nn.Module]) -> torch.device:
+    for module in modules:
+        for _, tensor in _local_tensors(module):
+            return tensor.device
+    return torch.device("cpu")
 
 
 def _write_box(target: torch.Tensor, placement: Placement, source: torch.Tensor) -> None:

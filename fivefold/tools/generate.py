@@ -1,4 +1,4 @@
-"""Sample text from the weights a run saved (model.safetensors + config.json)."""
+"""Sample text from the final weights a run saved (its safetensors set + config.json)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import RUNTIME_BUFFERS, read_final_weights
+from ..checkpoint import RUNTIME_BUFFERS, CheckpointError, final_weights_of, read_final_weights
 from ..config import Config
 from ..data.sources import load_tokenizer
 from ..model import Transformer
@@ -34,10 +34,15 @@ def load_trained(run_dir: str | Path) -> tuple[Transformer, Config]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"--run {run_dir} is not a folder; give the run folder of a finished training run")
-    weights, cfg = run_dir / "model.safetensors", run_dir / "config.json"
-    for path in (weights, cfg):
-        if not path.is_file():
-            raise RunDirError(f"{path} is missing; train first (fivefold train --run-dir {run_dir})")
+    try:
+        found = final_weights_of(run_dir)
+    except CheckpointError as err:
+        raise RunDirError(str(err)) from None
+    if found is None:
+        raise RunDirError(f"{run_dir / 'model.safetensors'} is missing (no final weights); "
+                          f"train first (fivefold train --run-dir {run_dir})")
+    if not (run_dir / "config.json").is_file():
+        raise RunDirError(f"{run_dir / 'config.json'} is missing; train first (fivefold train --run-dir {run_dir})")
     config, state = read_final_weights(run_dir)
     with torch.device("meta"):
         model = Transformer(config.model)

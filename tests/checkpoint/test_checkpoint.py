@@ -156,9 +156,11 @@ def copy_checkpoints(run_dir: Path, dest: Path, steps: list[int]) -> Path:
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from fivefold.checkpoint import final_weights_of
 
-    return load_file(str(run_dir / "model.safetensors"))
+    found = final_weights_of(run_dir)
+    assert found is not None, f"{run_dir} has no final weights"
+    return found.read_all()
 
 
 def optimizer_states(path: Path) -> dict[tuple[str, str], torch.Tensor]:

@@ -112,9 +112,11 @@ def metrics_lines(run_dir: Path) -> int:
 
 
 def final_weights(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
+    from fivefold.checkpoint import final_weights_of
 
-    return load_file(str(run_dir / "model.safetensors"))
+    found = final_weights_of(run_dir)
+    assert found is not None, f"{run_dir} has no final weights"
+    return found.read_all()
 
 
 # ----------------------------------------------------------------------------- settings

@@ -177,9 +177,11 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from fivefold.checkpoint import final_weights_of
 
-    return load_file(str(run_dir / "model.safetensors"))
+    found = final_weights_of(run_dir)
+    assert found is not None, f"{run_dir} has no final weights"
+    return found.read_all()
 
 
 def _reference_of_train_args(reference) -> TrainTrace:
