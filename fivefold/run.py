@@ -21,7 +21,7 @@ from .data.packing import data_position
 from .rules.precision import PrecisionPolicy
 from .rules.layout import validate
 from .job.malloc import MallocState, apply_malloc
-from .parallel.mesh import Mesh, device_for
+from .parallel.mesh import Mesh, device_for, unavailable_device
 from .observe.metrics import (
     DTYPES,
     StepProfiler,
@@ -138,9 +138,9 @@ def check_machine(config: Config) -> None:
     is a run that could never start, not a guess.
     """
     device = config.train.device
-    if device == "cuda" and not torch.cuda.is_available():
-        build = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-        raise RunError(f"train.device=cuda but {build} (torch {torch.__version__}); use train.device=cpu or auto")
+    missing = unavailable_device(device)
+    if missing:
+        raise RunError(f"train.device={device} but {missing}; use train.device=cpu or auto")
     check_gpus_per_host(config)
     machines = max(int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
     params = total_params(config.model)

@@ -91,11 +91,41 @@ class _RecordedWork:
         return getattr(self._work, name)
 
 
+class _DeviceDone:
+    """Completion of a blocking collective as the device sees it.
+
+    On a GPU a blocking call returns once the collective is queued on the stream (NCCL runs
+    it later): an event recorded right after it completes only when the collective has. The
+    watchdog's sweep asks the event, so a collective stuck on the GPU stays in flight in the
+    record and the hang report names it (not whatever the host reached next)."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+
+def device_completion_event(device_type: str) -> Any:
+    """An event recorded on the current stream of `device_type`, or None where a call that
+    returned has completed (CPU, meta)."""
+    if device_type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def _landed(axis: Axis, record: CollectiveRecord, work: Any) -> Any:
     """Hand the collective's outcome to the flight recorder: done for a blocking call (`work`
-    is None), to be swept or waited for async work. Returns the handle to wait on."""
-    axis.stats.flight.issued_async(record, [] if work is None else [work])
-    return None if work is None else _RecordedWork(work, record, axis)
+    is None) on the host, done when the device gets past it on a GPU, to be swept or waited
+    for async work. Returns the handle to wait on."""
+    if work is None:
+        event = device_completion_event(axis.device_type)
+        axis.stats.flight.issued_async(record, [] if event is None else [_DeviceDone(event)])
+        return None
+    axis.stats.flight.issued_async(record, [work])
+    return _RecordedWork(work, record, axis)
 
 
 def _emulates_sharded_collectives(axis: Axis) -> bool:

@@ -302,6 +302,14 @@ def _derived_axis(layout: Layout, name: str, rank: int, stats: CommStats) -> Axi
     return Axis(name, group, len(mine), mine.index(rank), mine, stats)
 
 
+def unavailable_device(preference: str) -> str | None:
+    """Why the device `preference` names cannot be used here, or None when it can."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        build = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        return f"{build} (torch {torch.__version__})"
+    return None
+
+
 def device_for(preference: str = "auto") -> torch.device:
     """The device a rank computes on: CUDA (its local GPU) when available and wanted, else CPU."""
     import os
@@ -312,4 +320,5 @@ def device_for(preference: str = "auto") -> torch.device:
     return torch.device("cuda", local)
 
 
-__all__ = ["Axis", "CollectiveRecord", "CommStats", "FlightRecorder", "Mesh", "device_for", "ep_index", "edp_index"]
+__all__ = ["Axis", "CollectiveRecord", "CommStats", "FlightRecorder", "Mesh", "device_for", "ep_index", "edp_index",
+           "unavailable_device"]

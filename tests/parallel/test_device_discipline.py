@@ -224,3 +224,45 @@ def test_parity_and_diagnose_build_on_the_mesh_device():
             outputs, grads = probe(config, mesh)
     assert len(trace.losses) == 1 and not seen.seen, seen.seen[:3]
     assert {t.device.type for t in [*outputs.values(), *grads.values()]} == {"meta"}
+
+
+# ------------------------------------------------------------------ the watchdog on a GPU
+
+
+def test_a_blocking_collective_stays_in_flight_until_the_device_gets_past_it(monkeypatch):
+    """On a GPU a blocking call returns when NCCL has queued the collective: the flight record
+    must keep it in flight until an event recorded after it completes, so a hang report names
+    the collective the GPU is stuck in. The event is a stand-in here (no GPU); on the host
+    (CPU, meta) a returned call has completed and no event is made."""
+    from fivefold.tools.dryrun import fake_world
+
+    class Event:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    event = Event()
+    assert comm.device_completion_event("cpu") is None and comm.device_completion_event("meta") is None
+    monkeypatch.setattr(comm, "device_completion_event", lambda device_type: event)
+    config = validate(load_config("tiny", ["layout.dp=2"]))
+    with fake_world(2, 0):
+        mesh = Mesh.build(config.layout, device_type="meta")
+        comm.all_reduce(torch.zeros(2, device="meta"), mesh.dp)
+        flight = mesh.stats.flight
+        flight.sweep()
+        stuck = flight.oldest_in_flight()
+        assert stuck is not None and (stuck.axis, stuck.op) == ("dp", "all_reduce")
+        event.done = True
+        flight.sweep()
+        assert flight.oldest_in_flight() is None
+
+
+def test_generate_refuses_a_gpu_that_is_not_there_before_reading_anything(monkeypatch, tmp_path, capsys):
+    from fivefold.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "--run", str(tmp_path / "no-such-run"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fivefold: error: --device cuda but ") and err.endswith("use --device cpu or auto")
+    assert len(err.splitlines()) == 1
