@@ -17,6 +17,7 @@ import argparse
 import json
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,9 +58,18 @@ def run_case(name: str, case, bench: Bench) -> CaseOutcome:
         summary, data = case(bench)
         passed = True
     except Exception as err:  # every failure is a result of the check, never the end of it
-        first_line = (str(err).strip().splitlines() or [""])[0]
-        summary, data, passed = f"{type(err).__name__}: {first_line}", {}, False
+        summary, data, passed = first_error_line(err), {}, False
     return CaseOutcome(name, passed, summary, time.perf_counter() - start, data)
+
+
+def first_error_line(err: BaseException) -> str:
+    """The error's type and first line; where it has no message (a bare assert), where it was raised."""
+    lines = str(err).strip().splitlines()
+    if lines:
+        return f"{type(err).__name__}: {lines[0]}"
+    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    where = f"{Path(frame.filename).name}:{frame.lineno} {frame.line}" if frame else "no message"
+    return f"{type(err).__name__} at {where}"
 
 
 def run_cases(bench: Bench, only: list[str] | None = None) -> list[CaseOutcome]:
