@@ -210,9 +210,11 @@ def sdpa_kernels(bench: Bench) -> tuple[str, dict]:
     B, T, d = 2, (64 if bench.quick else 1024), 64
     dtype = torch.bfloat16 if bench.device.type == "cuda" else torch.float32
 
-    def inputs(kv_heads: int) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.randn(B, h, T, d, device=bench.device, dtype=dtype, requires_grad=True)
-                     for h in (8, kv_heads, kv_heads))
+    def tensor(heads: int) -> torch.Tensor:  # (B, heads, T, d)
+        return torch.randn(B, heads, T, d, device=bench.device, dtype=dtype, requires_grad=True)
+
+    def inputs(kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tensor(8), tensor(kv_heads), tensor(kv_heads)
 
     docs = (torch.arange(T, device=bench.device) // (T // 4)).expand(B, T)
     position = torch.arange(T, device=bench.device)
