@@ -58,10 +58,15 @@ class Bench:
         base = [f"train.device={self.device.type}", "train.eval_interval=0", "train.warmup_steps=1"]
         return load_config(preset, base + size + list(overrides))
 
-    def train(self, name: str, config: Config) -> list[dict]:
-        """Train `config` into its own folder under the scratch folder; the per-step records."""
-        with tf32(enabled=config.train.dtype == "fp32" and self.device.type == "cuda"):
-            return run_training(config, self.scratch / name, show_progress=False, overwrite=True)
+    def train(self, name: str, config: Config, overwrite: bool = True) -> list[dict]:
+        """Train `config` into its own folder under the scratch folder; the per-step records.
+        train.deterministic is process-wide: it is undone afterwards, so later cases run at full speed."""
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        try:
+            with tf32(enabled=config.train.dtype == "fp32" and self.device.type == "cuda"):
+                return run_training(config, self.scratch / name, show_progress=False, overwrite=overwrite)
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
 
 
 @contextlib.contextmanager
@@ -160,7 +165,7 @@ def save_resume_export(bench: Bench) -> tuple[str, dict]:
     straight = _losses(bench.train("straight", full))
     _losses(bench.train("resumed", full.replace(train=_with(full.train, steps=2))))
     resumed_config = full.replace(checkpoint=_with(full.checkpoint, resume=True))
-    tail = _losses(run_training(resumed_config, bench.scratch / "resumed", show_progress=False))
+    tail = _losses(bench.train("resumed", resumed_config, overwrite=False))
     if tail != straight[2:]:
         raise CheckFailed(f"resumed losses {tail} differ from the uninterrupted run's {straight[2:]}")
     folder, _ = export_hf(bench.scratch / "resumed", bench.scratch / "exported")
