@@ -1,4 +1,4 @@
-"""`fivefold train | generate | plan | parity | bench | convert | report`.
+"""`fivefold train | generate | plan | parity | bench | convert | report | doctor`.
 
 Configuration flags are dotted keys (`--train.steps 50`, `--layout.tp 2`, or
 `--layout "dp=2,tp=2"`); every key is checked. A layout of more than one process restarts
@@ -179,6 +179,12 @@ def cmd_convert(args: argparse.Namespace, overrides: list[str], argv: list[str])
     return run_convert_cli(argv[1:])
 
 
+def cmd_doctor(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    from .tools.doctor import run_doctor_cli
+
+    return run_doctor_cli(argv[1:])
+
+
 def cmd_dryrun(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     from .tools.dryrun import run_dryrun_cli
 
@@ -247,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="HTML page and PNG figures of a run folder", add_help=False)
     report.set_defaults(func=cmd_report)
+    doctor = sub.add_parser("doctor", help="check fivefold on this machine's GPU: fivefold doctor --gpu", add_help=False)
+    doctor.set_defaults(func=cmd_doctor)
     data = sub.add_parser("data", help="prepare training data: fivefold data prepare FILES --out DIR", add_help=False)
     data.set_defaults(func=cmd_data)
     return parser
@@ -258,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train"]
     parser = build_parser()
     try:
-        if argv[0] in ("plan", "bench", "convert", "report", "data"):
+        if argv[0] in ("plan", "bench", "convert", "report", "data", "doctor"):
             commands = {"plan": cmd_plan, "bench": cmd_bench, "convert": cmd_convert, "report": cmd_report,
-                        "data": cmd_data}
+                        "data": cmd_data, "doctor": cmd_doctor}
             args = argparse.Namespace(func=commands[argv[0]])
             return args.func(args, [], argv)
         rest, overrides = split_dotted(argv)

@@ -21,6 +21,7 @@ from .data.packing import data_position
 from .rules.precision import PrecisionPolicy
 from .rules.layout import validate
 from .job.malloc import MallocState, apply_malloc
+from .job.determinism import apply_determinism
 from .parallel.mesh import Mesh, device_for, unavailable_device
 from .observe.metrics import (
     DTYPES,
@@ -346,6 +347,7 @@ def run_training(
     config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
     check_machine(config)
     malloc = apply_malloc(config.train.malloc)  # before the model and the data are allocated
+    apply_determinism(config.train.deterministic)  # before CUDA starts: cuBLAS reads its workspace setting once
     run_dir = Path(run_dir or new_run_dir(config))
     with distributed_job(config, run_dir / "flight_records", device) as (mesh, device):
         lock = claim_run_dir(run_dir, config, mesh, device, overwrite)

@@ -56,6 +56,8 @@ TOOLS: tuple[str, ...] = (
     "fivefold.tools.generate",
     "fivefold.tools.report",
     "fivefold.tools.bench",
+    "fivefold.tools.doctor_cases",
+    "fivefold.tools.doctor",
 )
 
 

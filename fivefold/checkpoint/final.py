@@ -181,17 +181,26 @@ def held_tensors(model: Any) -> dict[str, HeldTensor]:
     optimizer.wait_for_parameters()  # ZeRO-1/2 may still be gathering the last update
     owned = optimizer.owns_parameter_shards
     flat: dict[str, list[tuple[ShardSpec, torch.Tensor]]] = {}
+    # Without ZeRO, an optimizer with fp32 masters (bf16 parameters) keeps each master whole, in
+    # the parameter's own placement: the master is written in the parameter's place, as ZeRO's
+    # flat masters are, so the final weights hold the same precision in every layout.
+    masters: dict[str, torch.Tensor] = {}
     if owned:
         for states in optimizer.sharded_state().values():
             tensor, spec = states["param"]
-            assert isinstance(spec, ShardSpec)  # ZeRO's flat ranges are described by specs
-            flat.setdefault(canonical_name(spec.name, config), []).append((spec, tensor))
+            if isinstance(spec, ShardSpec):  # ZeRO's flat ranges
+                flat.setdefault(canonical_name(spec.name, config), []).append((spec, tensor))
+            else:
+                masters[canonical_name(spec.name, config)] = tensor
     held: dict[str, HeldTensor] = {}
     for chunk in model.chunks:
         for name, param in chunk.named_parameters():
             placement = get_placement(param, name)
             full_name = canonical_name(placement.name, config)
-            held[full_name] = HeldTensor(placement, param, flat.get(full_name, []) if owned else None)
+            if full_name in masters:
+                held[full_name] = HeldTensor(placement, masters[full_name])
+            else:
+                held[full_name] = HeldTensor(placement, param, flat.get(full_name, []) if owned else None)
         for name, buf in chunk.named_buffers():
             if not name.endswith(RUNTIME_BUFFERS):
                 placement = get_placement(buf, name)

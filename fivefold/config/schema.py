@@ -152,6 +152,9 @@ class TrainConfig:
     # glibc's allocator in every rank (fivefold/job/malloc.py): "default" (glibc's own thresholds) or
     # "retain" (freed memory stays with the process, no page faults to get it back); no effect elsewhere
     malloc: str = "default"
+    # torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8 in every rank
+    # (fivefold/job/determinism.py): run-to-run identical bits on one machine, at some speed
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)

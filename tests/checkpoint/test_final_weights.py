@@ -486,3 +486,17 @@ def test_a_rank_whose_disk_fills_fails_the_save_on_every_rank_and_the_previous_s
     found = TensorSet.locate(tmp_path)
     assert found is not None and found.step == 0 and len(found.read_all()) == len(saved_tensors(config.model))
     assert not (tmp_path / ".tmp_final_weights").exists()
+
+
+def test_a_run_with_bf16_parameters_saves_the_fp32_masters_of_its_replicated_optimizer(tmp_path):
+    """Without ZeRO, the optimizer of bf16 parameters keeps whole fp32 masters (in the parameters'
+    placements, not ZeRO's flat ranges): the final weights are those masters, as under ZeRO."""
+    from fivefold.run import run_training
+
+    config = load_config("tiny", ["model.layers=1", "train.seq_len=16", "train.global_batch=2", "train.steps=2",
+                                  "train.dtype=bf16", "train.param_dtype=bf16"])
+    run_training(config, tmp_path / "run", show_progress=False)
+    _, saved = read_final_weights(tmp_path / "run")
+    assert saved["layers.0.attn.wq.weight"].dtype == torch.float32
+    rounded = {name: t.to(torch.bfloat16).float() for name, t in saved.items()}
+    assert any(not torch.equal(saved[n], rounded[n]) for n in saved)  # more than bf16's bits: the masters

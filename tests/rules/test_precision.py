@@ -2,8 +2,9 @@
 
 - The policy and its bytes per parameter, as the runtime, the memory formula and the planner
   read them; bad settings are refused with what to change.
-- bf16 training (dp=2, ZeRO 0-3) against the single-process bf16 run (bit for bit) and the
-  single-process fp32 run (within bf16's rounding; the bounds are explained below).
+- dp=2, ZeRO 0-3 against the single-process run: bit for bit in fp32; in bf16 within bf16's
+  rounding of the bf16 and the fp32 runs (a CPU's bf16 kernels sum in a shape-dependent
+  order; the bounds are explained below).
 - Memory held per rank and bytes per axis against the planner's, every stage, bf16, with
   and without gradient accumulation (fp32: test_planner_agreement.py).
 """
@@ -133,29 +134,46 @@ BF16_LOSS_RTOL = 2.0**-8
 BF16_PARAM_DISPLACEMENT_RTOL = 2.0**-2
 
 
+# bf16 runs against the bf16 single-process run. Two things separate them by a bf16 unit here
+# and there. Clipping: the gradient norm is summed in another order, so the clip coefficient
+# differs in its last bits and a few weights round to the neighbouring bf16 value (measured on
+# an AVX2 CPU without AVX-512: 6 of 4096 elements of one tensor, by one bf16 unit, 3.3e-4 of
+# the distance training moved the tensor; bit for bit without clipping). The kernel: on
+# AMX-BF16 CPUs oneDNN chooses bf16 kernels by shape, which sum the products in other orders
+# (the bit-for-bit form of this test failed there, and passed with ONEDNN_MAX_CPU_ISA=AVX512_CORE).
+# Both are the kind of difference bf16 makes against fp32, so the same bounds hold them. Bit
+# for bit is claimed in fp32 only, where every host sums alike.
+
+
 def test_bf16_data_parallel_and_zero_match_single_process_and_planner(pools):
     """dp=2 at ZeRO 0-3 with bf16 parameters, fp32 masters and bf16 (or fp32) reductions.
 
     Without accumulation each rank's micro-batch is the single-process run's matching
-    micro-batch, and a sum of two bf16 gradients is rounded to bf16 once whether autograd,
-    a bf16 reduction or an (exact) fp32 reduction adds them: losses and weights equal the
-    bf16 single-process run bit for bit (the gradient norm is summed in another order,
-    within 1e-5). Against fp32 see the bounds above. Memory and dp bytes match the planner,
-    also with gradient accumulation.
+    micro-batch. In fp32 a sum of two gradients is the same whether autograd or the
+    reduction adds them: losses and weights equal the single-process run bit for bit, without
+    clipping (the gradient norm, summed in another order, scales every gradient by a
+    coefficient that differs in its last bits). In
+    bf16 they are held to the bounds above, against the bf16 and the fp32 single-process run.
+    Memory and dp bytes match the planner, also with gradient accumulation.
     """
     parity = [validate(small(*BF16, dp=2, zero=z), 2) for z in (0, 1, 2, 3)]
     parity += [validate(small(*BF16, "train.reduce_dtype=fp32", dp=2, zero=z), 2) for z in (0, 2)]
+    parity += [validate(small("train.grad_clip=0", dp=2, zero=z), 2) for z in (0, 1, 2, 3)]
     accumulated = [validate(small(*BF16, dp=2, zero=z, grad_accum=2), 2) for z in (0, 1, 2, 3)]
     results = pools.run(2, _train_both, parity, accumulated)
     fp32_single = _matched_single(small(dp=2), STEPS)
     initial = _matched_single(small(dp=2), 0)  # the weights every run starts from
     for i, config in enumerate(parity):
         _check_against_planner(config, [r[0][i] for r in results], STEPS)
-        trace, bf16_single = results[0][0][i]["trace"], _matched_single(config, STEPS)
-        assert trace.losses == bf16_single.losses, (config.layout.zero, trace.losses, bf16_single.losses)
-        assert trace.grad_norms == pytest.approx(bf16_single.grad_norms, rel=1e-5)
-        for name, ref in bf16_single.params.items():
-            assert torch.equal(trace.params[name], ref), (config.layout.zero, name)
+        trace, single = results[0][0][i]["trace"], _matched_single(config, STEPS)
+        assert trace.grad_norms == pytest.approx(single.grad_norms, rel=1e-5)  # summed in another order
+        if config.train.dtype == "fp32":
+            assert trace.losses == single.losses, (config.layout.zero, trace.losses, single.losses)
+            for name, ref in single.params.items():
+                assert torch.equal(trace.params[name], ref), (config.layout.zero, name)
+            continue
+        assert trace.losses == pytest.approx(single.losses, rel=BF16_LOSS_RTOL), (trace.losses, single.losses)
+        _check_close_to(single, config, trace, initial)
         _check_close_to_fp32(config, trace, fp32_single, initial)
     for i, config in enumerate(accumulated):
         _check_against_planner(config, [r[1][i] for r in results], 1)
@@ -170,9 +188,14 @@ def _check_close_to_fp32(config, trace: TrainTrace, fp32: TrainTrace, initial: T
     # attention began summing dK/dV inside the kernel, with loss and weights still within
     # their bounds. The weights after every step are checked below.
     assert trace.grad_norms[0] == pytest.approx(fp32.grad_norms[0], rel=BF16_LOSS_RTOL)
-    for name, ref in fp32.params.items():
-        moved = (ref - initial.params[name]).norm()
-        relative = float((trace.params[name].float() - ref).norm() / moved)
+    _check_close_to(fp32, config, trace, initial)
+
+
+def _check_close_to(reference: TrainTrace, config, trace: TrainTrace, initial: TrainTrace) -> None:
+    """Each tensor's difference from `reference`, against the distance training moved it."""
+    for name, ref in reference.params.items():
+        moved = (ref.float() - initial.params[name]).norm()
+        relative = float((trace.params[name].float() - ref.float()).norm() / moved)
         assert relative <= BF16_PARAM_DISPLACEMENT_RTOL, (config.layout.zero, name, relative)
 
 
