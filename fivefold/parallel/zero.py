@@ -70,6 +70,7 @@ from .buckets import (
     BucketReducer,
     FlatBucket,
     Pending,
+    bucket_axes,
     check_replicas_identical,
     flat_grads,
     flat_params,
@@ -197,8 +198,24 @@ class ZeroGradientSync(ABC):
         for finalize in self.grad_finalizers:
             finalize()
         self.reducer.finish()
+        self._sum_over_replicas()
         # The update next writes this rank's slice, which a gather no forward waited for may still be sending.
         self.wait_for_parameters()
+
+    def _sum_over_replicas(self) -> None:
+        """Hybrid sharding: each shard group has summed its own ranks' gradients into its shards;
+        the copies of a shard in the other replicas add theirs, once per step, after the last
+        micro-batch (all buckets in flight together)."""
+        pending = []
+        for bucket, shard in zip(self.buckets, self.grad_shards):
+            if shard is None or bucket.replicas is None or bucket.replicas.size == 1:
+                continue
+            wire = shard.to(self.settings.reduce_dtype)  # the shard itself when the dtypes agree
+            pending.append((comm.all_reduce(wire, bucket.replicas, async_op=True), wire, shard))
+        for work, wire, shard in pending:
+            work.wait()
+            if wire is not shard:
+                shard.copy_(wire)  # the sum, stored back in the gradients' dtype
 
     def reduced_grads(self) -> list[torch.Tensor | None]:
         return self.grad_shards
@@ -689,8 +706,8 @@ def _unit_buckets(
     buckets = []
     for part, deferred in split_finalized(named, finalized):
         for (axis_name, _, _), members in group_by_axis(part, mesh).items():
-            axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
-            buckets.append(make_bucket(members, axis, axis.size))
+            axis, replicas = bucket_axes(mesh, axis_name, sharded=True)
+            buckets.append(make_bucket(members, axis, axis.size, axis_name, replicas))
             buckets[-1].extra.update(group=chunk, deferred=deferred)
     return buckets
 
