@@ -87,6 +87,30 @@ def is_hybrid(layout: Layout) -> bool:
     return layout.zero > 0 and layout.replicate_degree > 1
 
 
+@dataclass(frozen=True)
+class ZeroGroups:
+    """Sizes of the groups ZeRO shards over and of their replicas, for non-expert and expert
+    parameters; the sizes of `group_ranks`' dp_cp_shard, dp_cp_rep, edp_shard and edp_rep."""
+
+    dense_shard: int
+    dense_replicas: int
+    expert_shard: int
+    expert_replicas: int
+
+
+def zero_groups(dp: int, cp: int, ep: int, zero: int, dp_shard: int = 0) -> ZeroGroups:
+    """For the runtime's Layout and the planner's LayoutSpec alike (plain degrees in, sizes out).
+
+    Without hybrid sharding (zero = 0 or dp_shard in (0, dp)) states are sharded over all of
+    dp x cp (experts over dp x cp / ep). With it, a shard group is dp_shard x cp ranks, and an
+    expert's copies inside one shard group (none when an expert group spans whole shard groups)."""
+    hybrid = zero > 0 and 0 < dp_shard < dp
+    shard = (dp_shard if hybrid else dp) * cp
+    dense_replicas = dp * cp // shard
+    expert_shard = max(1, shard // ep)
+    return ZeroGroups(shard, dense_replicas, expert_shard, dp * cp // ep // expert_shard)
+
+
 def group_ranks(layout: Layout, axis: str) -> list[list[int]]:
     """Every group of global ranks along `axis` (pp, dp, cp, tp, dp_cp, ep, edp, pp_ends, and
     the hybrid-sharding axes dp_cp_shard, dp_cp_rep, edp_shard, edp_rep).

@@ -42,7 +42,9 @@ FP32 = ElementBytes(4, 4)  # bytes per element of both activation kinds in fp32
 # parameters) or on the expert-data-parallel group (experts); the tied embedding's gradient
 # sum between the first and last pipeline stages runs on pp_ends. "world" (the loss and the
 # global gradient norm) is not a parallel axis and maps to none.
-PLANNER_AXIS = {"dp_cp": "dp", "edp": "dp", "dp": "dp", "tp": "tp", "pp": "pp", "pp_ends": "pp", "cp": "cp", "ep": "ep"}
+PLANNER_AXIS = {"dp_cp": "dp", "edp": "dp", "dp": "dp", "tp": "tp", "pp": "pp", "pp_ends": "pp", "cp": "cp", "ep": "ep",
+                # hybrid sharding: ZeRO inside the shard groups and the sums over their replicas
+                "dp_cp_shard": "dp", "dp_cp_rep": "dp", "edp_shard": "dp", "edp_rep": "dp"}
 
 
 def planner_axis_bytes(wire: dict[str, int]) -> dict[str, int]:
@@ -422,6 +424,12 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
             Call("all_gather", param_bytes - kept_bytes, (gathers_per_micro_batch - 1) * micro_batches, "bwd",
                  "params not kept from the forward"),
             *reduce]
+
+
+def replica_calls(shard_grad_bytes: float) -> list[Call]:
+    """Hybrid sharding: the all-reduce of each gradient shard over the replicas of its shard
+    group, once per step after the last micro-batch (zero.py `_sum_over_replicas`)."""
+    return [Call("all_reduce", shard_grad_bytes, 1, "step", "grad shards over replicas")]
 
 
 def dp_comm_bytes_per_step(elements: int, n: int, stage: int, micro_batches: int = 1,

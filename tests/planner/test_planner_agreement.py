@@ -148,6 +148,18 @@ CASES = [
         {"dp": 2, "ep": 2, "tp": 2, "zero": 2, "grad_accum": 2},
         {"dp": 2, "ep": 2, "tp": 2, "zero": 3, "grad_accum": 2},
     )),
+    # hybrid sharding: ZeRO inside shard groups of neighbouring ranks, shard sums over the replicas
+    *(_case(preset, world, **lay) for preset, world, lay in (
+        ("tiny", 4, {"dp": 4, "dp_shard": 2, "zero": 1, "grad_accum": 2}),
+        ("tiny", 4, {"dp": 4, "dp_shard": 2, "zero": 2, "grad_accum": 2}),
+        ("tiny", 4, {"dp": 4, "dp_shard": 2, "zero": 3}),
+        ("tiny", 4, {"dp": 2, "dp_shard": 1, "cp": 2, "zero": 3, "cp_algorithm": "ring"}),
+        ("tiny", 8, {"dp": 4, "dp_shard": 2, "tp": 2, "zero": 3, "sequence_parallel": True}),
+        ("tiny", 8, {"dp": 4, "dp_shard": 2, "pp": 2, "zero": 2, "grad_accum": 2, "model.tied_embeddings": "true"}),
+        ("tiny", 6, {"dp": 6, "dp_shard": 2, "zero": 3, "train.global_batch": 12}),
+        ("tiny-moe", 4, {"dp": 4, "dp_shard": 2, "ep": 2, "zero": 2}),
+        ("tiny-moe", 4, {"dp": 4, "dp_shard": 2, "ep": 4, "zero": 3}),  # experts: replicas only
+    )),
     # bf16 autocast over fp32 weights: the residual stream (embedding and norm outputs, what the
     # pipeline sends, the MoE dispatch) stays fp32, matmul outputs are bf16; ring attention's
     # dK/dV accumulators are fp32
