@@ -82,3 +82,58 @@ def test_hsdp_eight_ranks_match_one_process(pools, reference):
 def test_three_replicas_match_one_process(pools, reference):
     configs = [_cfg("tiny", "train.global_batch=12", dp=6, dp_shard=2, zero=z) for z in (2, 3)]
     many_layout_parity(pools, reference, configs)
+
+
+# ------------------------------------------------------------------ the planner's side of the rule
+
+
+@pytest.mark.parametrize("preset, layout", [
+    ("tiny", dict(dp=4, dp_shard=2, zero=2, tp=2)), ("tiny", dict(dp=6, dp_shard=3, zero=3, cp=2)),
+    ("tiny", dict(dp=4, zero=1)), ("tiny", dict(dp=4, dp_shard=2, zero=0)),
+    ("tiny-moe", dict(dp=8, dp_shard=4, ep=2, zero=2)), ("tiny-moe", dict(dp=4, dp_shard=2, ep=4, zero=3)),
+    ("tiny-moe", dict(dp=2, dp_shard=1, cp=2, ep=4, zero=1)),
+])
+def test_the_planners_group_sizes_are_the_runtimes_groups(preset, layout):
+    """`zero_groups` (what the planner costs) gives the sizes of the groups the mesh builds."""
+    from fivefold.rules.layout import HYBRID_AXES, is_hybrid, zero_groups
+
+    lay = load_config(preset, [f"layout.{k}={v}" for k, v in layout.items()]).layout
+    groups = zero_groups(lay.dp, lay.cp, lay.ep, lay.zero, lay.dp_shard)
+    if is_hybrid(lay):
+        sizes = {axis: {len(g) for g in group_ranks(lay, axis)} for pair in HYBRID_AXES.values() for axis in pair}
+    else:  # the mesh shards over the whole data axes, and has no replicas
+        sizes = {"dp_cp_shard": {len(g) for g in group_ranks(lay, "dp_cp")}, "dp_cp_rep": {1},
+                 "edp_shard": {len(g) for g in group_ranks(lay, "edp")}, "edp_rep": {1}}
+    assert sizes == {"dp_cp_shard": {groups.dense_shard}, "dp_cp_rep": {groups.dense_replicas},
+                     "edp_shard": {groups.expert_shard}, "edp_rep": {groups.expert_replicas}}
+
+
+def test_plan_search_offers_node_sized_shard_groups_and_every_one_is_accepted():
+    from fivefold.planner import load_model, search
+    from fivefold.planner.bridge import runtime_config
+
+    model = load_model("llama3-70b")
+    found = search(model, gpus=64, hardware="H100-80GB", global_batch=512, top=None)
+    hybrid = [lay for lay, _ in found if lay.zero_groups.dense_replicas > 1]
+    assert hybrid, "no hybrid-sharded layout among the candidates"
+    for lay in hybrid:
+        assert lay.dp_shard * lay.cp * lay.tp == 8  # one shard group per node
+        validate(runtime_config(model, lay))  # the runtime accepts what the planner proposes
+
+
+def test_plan_compare_hsdp_shows_flat_zero3_against_each_shard_degree(capsys):
+    from fivefold.tools.plan_cli import run_plan_cli
+
+    assert run_plan_cli(["--compare", "hsdp", "--model", "llama3-70b", "--gpus", "64"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "dp=64" in line]
+    assert len(rows) == 6 and "dp_shard" not in rows[0]  # flat ZeRO-3 first, then shard groups of 32 .. 2
+    states = [float(line.split("│")[4]) for line in rows]
+    assert states == sorted(states) and states[-1] > 30 * states[0]  # sharding over fewer devices holds more
+
+
+def test_planner_rejects_a_shard_degree_that_does_not_divide_dp():
+    from fivefold.planner import LayoutSpec, PlanError
+
+    with pytest.raises(PlanError, match="LayoutSpec.dp_shard=3 does not divide dp=4"):
+        LayoutSpec(dp=4, dp_shard=3, zero=3, global_batch=4)
