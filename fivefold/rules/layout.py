@@ -335,12 +335,6 @@ def _check_zero(layout: Layout) -> None:
             f"zero={layout.zero} shards over data-parallel ranks but dp x cp = 1; set layout.dp > 1 or zero = 0"
         )
     _check_hybrid(layout)
-    if layout.zero == 3 and layout.pp > 1:
-        raise LayoutError(
-            f"zero=3 with pp={layout.pp} is not supported: ZeRO-3 gathers each layer's parameters around every "
-            "forward and backward, and a pipeline runs them once per micro-batch, interleaved across micro-batches; "
-            "use zero <= 2 with pipeline parallelism (or pp = 1)"
-        )
 
 
 def _check_hybrid(layout: Layout) -> None:

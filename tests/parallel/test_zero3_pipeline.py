@@ -1,0 +1,25 @@
+"""ZeRO-3 inside each pipeline stage: parameters gathered per block around each micro-batch's
+forward and backward, for every schedule; parity with one process, the tied embedding included."""
+
+from __future__ import annotations
+
+from fivefold.config import load_config
+
+from helpers import many_layout_parity
+
+
+def _cfg(*extra: str, **layout):
+    return load_config("tiny", ["train.seq_len=16", *extra, *(f"layout.{k}={v}" for k, v in layout.items())])
+
+
+SCHEDULES = [
+    _cfg(pp=2, dp=2, zero=3, pp_schedule="gpipe", grad_accum=4),
+    _cfg(pp=2, dp=2, zero=3, pp_schedule="1f1b", grad_accum=4),
+    _cfg(pp=2, dp=2, zero=3, pp_schedule="interleaved", vpp=2, grad_accum=4),
+    _cfg(pp=2, dp=2, zero=3, pp_schedule="zb-h1", grad_accum=4),
+    _cfg("model.tied_embeddings=true", pp=2, dp=2, zero=3, pp_schedule="1f1b", grad_accum=4),
+]
+
+
+def test_zero3_in_every_pipeline_schedule_matches_one_process(pools, reference):
+    many_layout_parity(pools, reference, SCHEDULES)
