@@ -23,3 +23,8 @@ SCHEDULES = [
 
 def test_zero3_in_every_pipeline_schedule_matches_one_process(pools, reference):
     many_layout_parity(pools, reference, SCHEDULES)
+
+
+def test_zero3_in_a_pipeline_with_hybrid_sharding_matches_one_process(pools, reference):
+    """Each stage's ZeRO-3 shard groups of 2 neighbouring ranks, replicated twice."""
+    many_layout_parity(pools, reference, [_cfg(pp=2, dp=4, dp_shard=2, zero=3, pp_schedule="1f1b", grad_accum=2)])
