@@ -75,11 +75,6 @@ class FlatBucket:
     replicas: Axis | None = None
 
     @property
-    def shard_copies(self) -> int:
-        """How many ranks hold each shard of this bucket (1 without hybrid sharding)."""
-        return self.replicas.size if self.replicas is not None else 1
-
-    @property
     def used(self) -> int:
         return self.segments[-1].end if self.segments else 0
 

@@ -233,7 +233,8 @@ def sharded_replication(over: tuple[str, ...], bucket: FlatBucket) -> tuple[str,
     if bucket.data_axis not in over:
         return over
     rest = tuple(a for a in over if a != bucket.data_axis)
-    return rest + ((bucket.replicas.name,) if bucket.shard_copies > 1 else ())
+    replicas = bucket.replicas
+    return rest + ((replicas.name,) if replicas is not None and replicas.size > 1 else ())
 
 
 def _flat_runs(

@@ -75,7 +75,6 @@ from .buckets import (
     flat_grads,
     flat_params,
     group_by_axis,
-    local_axis,
     make_bucket,
     plan_buckets,
     trainable,
