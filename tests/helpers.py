@@ -50,6 +50,8 @@ def describe(config: Config) -> str:
     parts = [f"{k}{getattr(l, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(l, k) > 1]
     if l.zero:
         parts.append(f"zero{l.zero}")
+    if l.dp_shard:
+        parts.append(f"dp_shard{l.dp_shard}")
     if l.sequence_parallel:
         parts.append("sp")
     if l.pp > 1:

@@ -274,6 +274,10 @@ CASES: list[Case] = [
         ("cp=3", ("not divisible",)), ("pp_schedule=magic", ("unknown",)),
     ]],
     # checked before any process is spawned
+    Case("shard degree does not divide dp", [*TRAIN, "--layout", "dp=4,dp_shard=3,zero=2"], 2,
+         ("layout.dp_shard=3 does not divide dp=4", "use one of 1, 2, 4")),
+    Case("shard degree without ZeRO", [*TRAIN, "--layout", "dp=4,dp_shard=2"], 2,
+         ("layout.dp_shard=2", "set layout.zero to 1, 2 or 3")),
     Case("2-process layout, bad lr", [*TRAIN, "--layout", "dp=2", "--train.lr", "nan"], 2, ("train.lr", "finite")),
     Case("2-process layout, busy folder", [*TRAIN[:-1], "{d}/run", "--layout", "dp=2"], 2, ("not empty", "--resume"),
          run=True, keep="run"),

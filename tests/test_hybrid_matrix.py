@@ -42,7 +42,7 @@ EIGHT_RANKS = [
     _cfg("tiny-moe", dp=2, ep=2, tp=2, pp=2, zero=1, grad_accum=2),  # 4D with experts
     _cfg("tiny-moe", dp=2, cp=2, ep=4, tp=2, cp_algorithm="allgather"),  # 4D with experts
     _cfg("tiny", pp=2, tp=2, cp=2, cp_algorithm="ring", sequence_parallel=True, grad_accum=2),
-    _cfg("tiny", dp=2, tp=2, cp=2, zero=3, cp_algorithm="ring"),  # ZeRO-3 with tp and cp (not pp: refused)
+    _cfg("tiny", dp=2, tp=2, cp=2, zero=3, cp_algorithm="ring"),  # ZeRO-3 with tp and cp (with pp: test_zero3_pipeline.py)
     _cfg("tiny", dp=2, tp=2, pp=2, zero=1, pp_schedule="zb-h1", grad_accum=4),
     _cfg("tiny", dp=2, tp=2, cp=2, cp_algorithm="allgather", sequence_parallel=True),
     _cfg("tiny-moe", tp=2, cp=2, pp=2, ep=2, cp_algorithm="ring", grad_accum=2),  # 4D with experts

@@ -87,8 +87,9 @@ from .sets import (
 from .state import RUNTIME_BUFFERS
 
 STAGING_DIR = ".tmp_final_weights"
-# A pipeline stage's ranks are dp_cp x tp; these axes all lie within dp_cp (ep and edp split it).
-_WITHIN_DP_CP = ("dp_cp", "dp", "cp", "ep", "edp")
+# A pipeline stage's ranks are dp_cp x tp; these axes all lie within dp_cp (ep and edp split it,
+# and so do the shard and replicate axes of hybrid sharding).
+_WITHIN_DP_CP = ("dp_cp", "dp", "cp", "ep", "edp", "dp_cp_shard", "dp_cp_rep", "edp_shard", "edp_rep")
 
 
 class FinalWeightsError(CheckpointError):

@@ -98,6 +98,9 @@ class Layout:
     """How a run is split over devices. Validated against the model by `fivefold.rules.layout`."""
 
     dp: int = 1
+    # Hybrid sharding (HSDP): ZeRO shards over groups of dp_shard data-parallel ranks (times cp)
+    # and the dp / dp_shard groups are replicas of each other; 0 shards over all of dp.
+    dp_shard: int = 0
     zero: int = 0
     tp: int = 1
     sequence_parallel: bool = False
@@ -117,6 +120,16 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def shard_degree(self) -> int:
+        """Data-parallel ranks that one ZeRO shard group spans (cp aside): dp_shard, or all of dp."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicate_degree(self) -> int:
+        """How many replicas of each ZeRO shard group there are (1: flat ZeRO)."""
+        return self.dp // self.shard_degree if self.dp % self.shard_degree == 0 else 1
 
 
 @dataclass(frozen=True)

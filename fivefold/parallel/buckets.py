@@ -69,6 +69,10 @@ class FlatBucket:
     grads: torch.Tensor | None = None  # (numel,) flat gradient storage the .grad view (stages 0-1)
     index: int = 0  # position in the reducer's launch order
     extra: dict = field(default_factory=dict)
+    data_axis: str = ""  # the axis the placements replicate these parameters over ("dp_cp", "edp", "local")
+    # ZeRO under hybrid sharding: `axis` is the shard group, and these ranks hold copies of its
+    # shards (their gradient sums are added once per step); None or size 1: no copies
+    replicas: Axis | None = None
 
     @property
     def used(self) -> int:
@@ -180,7 +184,21 @@ def group_by_axis(named: list[tuple[str, nn.Parameter]], mesh: Mesh) -> dict[tup
     return groups
 
 
-def make_bucket(named: list[tuple[str, nn.Parameter]], axis: Axis, pad_to: int) -> FlatBucket:
+def bucket_axes(mesh: Mesh, data_axis: str, sharded: bool) -> tuple[Axis, Axis | None]:
+    """(the bucket's axis, the axis of its shards' copies) for parameters replicated over
+    `data_axis`: ZeRO (`sharded`) shards over the data axis's shard group (all of it without
+    hybrid sharding); plain data parallel reduces over the whole data axis."""
+    if data_axis == "local":
+        return local_axis(mesh), None
+    if not sharded:
+        return mesh[data_axis], None
+    return mesh.zero_axes(data_axis)
+
+
+def make_bucket(
+    named: list[tuple[str, nn.Parameter]], axis: Axis, pad_to: int, data_axis: str = "",
+    replicas: Axis | None = None,
+) -> FlatBucket:
     segments, offset = [], 0
     for name, p in named:
         placement = get_placement(p, name)
@@ -188,7 +206,8 @@ def make_bucket(named: list[tuple[str, nn.Parameter]], axis: Axis, pad_to: int) 
         offset += p.numel()
     numel = -(-offset // pad_to) * pad_to
     first = named[0][1]
-    return FlatBucket(axis, segments, numel, first.dtype, first.device)
+    return FlatBucket(axis, segments, numel, first.dtype, first.device, data_axis=data_axis or axis.name,
+                      replicas=replicas)
 
 
 def plan_buckets(
@@ -200,11 +219,12 @@ def plan_buckets(
     buckets are ready early. The bucket completed last is cut to at most a quarter of
     bucket_bytes (`split_tail`): with no backward left to hide it, its reduction is the wait
     between the backward and the optimizer. With `pad_to_axis`, each bucket's length is a
-    multiple of its axis size (ZeRO shards buckets evenly).
+    multiple of its axis size (ZeRO shards buckets evenly, over the shard group under hybrid
+    sharding: `bucket_axes`).
     """
     buckets: list[FlatBucket] = []
     for (axis_name, _, _), members in group_by_axis(named, mesh).items():
-        axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
+        axis, replicas = bucket_axes(mesh, axis_name, sharded=pad_to_axis)
         pad_to = axis.size if pad_to_axis else 1
         groups: list[list[tuple[str, nn.Parameter]]] = [[]]
         size = 0
@@ -216,7 +236,7 @@ def plan_buckets(
             groups[-1].append((name, p))
             size += nbytes
         groups[-1:] = split_tail(groups[-1], bucket_bytes // TAIL_FRACTION)
-        buckets.extend(make_bucket(group, axis, pad_to) for group in groups if group)
+        buckets.extend(make_bucket(group, axis, pad_to, axis_name, replicas) for group in groups if group)
     for i, bucket in enumerate(buckets):
         bucket.index = i
     return buckets

@@ -218,13 +218,23 @@ def _copy_runs(bucket: FlatBucket, lo: int, hi: int, mesh: Mesh, sharded: bool) 
     runs: list[tuple[int, int, int]] = []
     for seg, start, end in bucket.runs(lo, hi):
         copies = replica_count(seg.placement, mesh)
-        if sharded and bucket.axis.name in seg.placement.replicated_over:
-            copies //= bucket.axis.size
+        if sharded and bucket.data_axis in seg.placement.replicated_over:
+            copies //= bucket.axis.size  # a shard's copies: those on its replicas (hybrid sharding) only
         if runs and runs[-1][2] == copies and runs[-1][1] == start:
             runs[-1] = (runs[-1][0], end, copies)
         else:
             runs.append((start, end, copies))
     return runs
+
+
+def sharded_replication(over: tuple[str, ...], bucket: FlatBucket) -> tuple[str, ...]:
+    """The axes that hold copies of a ZeRO shard of a parameter replicated over `over`: its
+    bucket's data axis no longer (the shards split it), but the replicate axis of hybrid sharding."""
+    if bucket.data_axis not in over:
+        return over
+    rest = tuple(a for a in over if a != bucket.data_axis)
+    replicas = bucket.replicas
+    return rest + ((replicas.name,) if replicas is not None and replicas.size > 1 else ())
 
 
 def _flat_runs(
@@ -236,7 +246,7 @@ def _flat_runs(
             placement = seg.placement
             over = placement.replicated_over
             if sharded:  # a ZeRO shard is no longer replicated over the axis it is sharded on
-                over = tuple(a for a in over if a != bucket.axis.name)
+                over = sharded_replication(over, bucket)
             spec = ShardSpec.from_placement(placement, flat=(start - seg.start, end - start), replicated_over=over)
             yield i, seg, start - lo, end - lo, spec
 

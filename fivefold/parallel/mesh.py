@@ -3,7 +3,9 @@
 `Mesh` wraps torch's `DeviceMesh` (dims pp, dp, cp, tp) and adds the derived groups:
 `dp_cp` (gradients of non-expert parameters are averaged over it), `ep` (experts are
 sharded over it), `edp` (expert data parallel: replicas of the same experts) and `pp_ends`
-(the first and last pipeline ranks, which both hold a tied embedding). Nothing
+(the first and last pipeline ranks, which both hold a tied embedding). Under hybrid sharding
+(`layout.dp_shard`) each data axis also has a shard axis (ZeRO shards over it) and a
+replicate axis (the shards' copies, whose gradients are all-reduced): `zero_axes`. Nothing
 here is global: whoever needs a group is handed the mesh or one of its axes.
 
 A single-process mesh (`Mesh.single()`) has every axis of size 1 and needs no
@@ -22,9 +24,18 @@ import torch
 import torch.distributed as dist
 
 from ..config import Layout
-from ..rules.layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
+from ..rules.layout import (
+    HYBRID_AXES,
+    Coords,
+    coords_to_rank,
+    edp_index,
+    ep_index,
+    group_ranks,
+    is_hybrid,
+    rank_to_coords,
+)
 
-AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
+AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world", *(a for pair in HYBRID_AXES.values() for a in pair))
 
 
 @dataclass
@@ -218,6 +229,12 @@ class Mesh:
     def world(self) -> Axis:
         return self.axes["world"]
 
+    def zero_axes(self, data_axis: str) -> tuple[Axis, Axis]:
+        """(shard, replicate) axes of ZeRO state whose copies lie along `data_axis` ("dp_cp",
+        "edp"): without hybrid sharding the data axis itself and a size-1 axis."""
+        shard, replicate = HYBRID_AXES[data_axis]
+        return self.axes[shard], self.axes[replicate]
+
     def release(self) -> None:
         """Drop this mesh's references to its process groups, after destroy_process_group.
 
@@ -275,6 +292,7 @@ class Mesh:
         axes = {name: _axis_from_mesh(device_mesh, name, stats) for name in ("pp", "dp", "cp", "tp")}
         for name in ("dp_cp", "ep", "edp", "pp_ends"):
             axes[name] = _derived_axis(layout, name, rank, stats)
+        axes.update(_hybrid_axes(layout, axes, rank, stats))
         axes["world"] = Axis("world", dist.group.WORLD, world, rank, list(range(world)), stats)
         for axis in axes.values():
             axis.device_type = device_type
@@ -287,6 +305,21 @@ def _axis_from_mesh(device_mesh: Any, name: str, stats: CommStats) -> Axis:
     ranks = sub.mesh.flatten().tolist()
     group = sub.get_group() if size > 1 else None
     return Axis(name, group, size, sub.get_local_rank(), ranks, stats)
+
+
+def _hybrid_axes(layout: Layout, axes: dict[str, Axis], rank: int, stats: CommStats) -> dict[str, Axis]:
+    """The shard and replicate axes of each data axis. Without hybrid sharding no group is made:
+    the shard axis is the data axis itself (its bytes are counted under its own name, as before)
+    and the replicate axis has size 1."""
+    out: dict[str, Axis] = {}
+    for data_axis, (shard, replicate) in HYBRID_AXES.items():
+        if is_hybrid(layout):
+            out[shard] = _derived_axis(layout, shard, rank, stats)
+            out[replicate] = _derived_axis(layout, replicate, rank, stats)
+        else:
+            out[shard] = axes[data_axis]
+            out[replicate] = Axis(replicate, None, 1, 0, [rank], stats)
+    return out
 
 
 def _derived_axis(layout: Layout, name: str, rank: int, stats: CommStats) -> Axis:

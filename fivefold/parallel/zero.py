@@ -70,11 +70,11 @@ from .buckets import (
     BucketReducer,
     FlatBucket,
     Pending,
+    bucket_axes,
     check_replicas_identical,
     flat_grads,
     flat_params,
     group_by_axis,
-    local_axis,
     make_bucket,
     plan_buckets,
     trainable,
@@ -82,6 +82,7 @@ from .buckets import (
 from .flat_adamw import FlatAdamW
 from .optim import AdamWSettings
 from .protocols import GradFinalizer, ParamFinalizer
+from ..rules.volumes import reduces_once_per_step, zero3_keeps_ends_gathered
 
 
 class ZeroAdamW(FlatAdamW):
@@ -126,13 +127,14 @@ class ZeroGradientSync(ABC):
     sharded = True
     shards_parameters = False
     stage = 0
-    per_backward = False  # stages 2-3 reduce every backward, micro-batches included
+    per_backward = False  # stages 2-3 reduce every backward, micro-batches included (but stage 3 in a pipeline)
 
     def __init__(
         self, chunks: list[nn.Module], mesh: Mesh, settings: AdamWSettings, bucket_mb: float = 25.0,
         finalizers: Sequence[ParamFinalizer] = (),
     ) -> None:
         self.settings = settings
+        self.per_backward = not reduces_once_per_step(self.stage, mesh.pp.size)
         finalized = {id(p) for finalize in finalizers for p in finalize.params()}
         self.buckets = self._plan_buckets(chunks, mesh, int(bucket_mb * MB), finalized)
         check_replicas_identical(self.buckets)
@@ -197,8 +199,24 @@ class ZeroGradientSync(ABC):
         for finalize in self.grad_finalizers:
             finalize()
         self.reducer.finish()
+        self._sum_over_replicas()
         # The update next writes this rank's slice, which a gather no forward waited for may still be sending.
         self.wait_for_parameters()
+
+    def _sum_over_replicas(self) -> None:
+        """Hybrid sharding: each shard group has summed its own ranks' gradients into its shards;
+        the copies of a shard in the other replicas add theirs, once per step, after the last
+        micro-batch (all buckets in flight together)."""
+        pending = []
+        for bucket, shard in zip(self.buckets, self.grad_shards):
+            if shard is None or bucket.replicas is None or bucket.replicas.size == 1:
+                continue
+            wire = shard.to(self.settings.reduce_dtype)  # the shard itself when the dtypes agree
+            pending.append((comm.all_reduce(wire, bucket.replicas, async_op=True), wire, shard))
+        for work, wire, shard in pending:
+            work.wait()
+            if wire is not shard:
+                shard.copy_(wire)  # the sum, stored back in the gradients' dtype
 
     def reduced_grads(self) -> list[torch.Tensor | None]:
         return self.grad_shards
@@ -300,7 +318,6 @@ class ZeroStage2Sync(ZeroGradientSync):
     finalizers read, in deferred buckets)."""
 
     stage = 2
-    per_backward = True
 
     def _prepare(self, chunks: list[nn.Module]) -> None:
         self._prepare_packing()
@@ -455,6 +472,11 @@ class ZeroStage3Sync(ZeroStage2Sync):
 
     def _bucket_complete(self, bucket: FlatBucket) -> None:
         self.unit_gatherer.bucket_complete(bucket)
+
+    def _deferred(self, bucket: FlatBucket) -> bool:
+        """In a pipeline every bucket is reduced once per step, after the last micro-batch
+        (`reduces_once_per_step`): its .grad accumulate the micro-batches' gradients until then."""
+        return not self.per_backward or super()._deferred(bucket)
 
     def finish(self) -> None:
         super().finish()
@@ -653,6 +675,8 @@ def build_units(chunks: list[nn.Module], mesh: Mesh, finalized: AbstractSet[int]
 
     A chunk without `layers` is one unit. Each unit has one padded bucket per data axis, and
     one more per axis for the parameters gradient finalizers read (`split_finalized`).
+    In a pipeline nothing is kept (`zero3_keeps_ends_gathered`): other micro-batches' forwards
+    run between a unit's forward and its backward.
     The root and the last block are kept gathered from their forward to their backward (as
     FSDP2 keeps its root): the root's forward ends the chunk's forward and its backward starts
     the chunk's backward, right after the last block's forward, so freeing either and gathering
@@ -661,6 +685,7 @@ def build_units(chunks: list[nn.Module], mesh: Mesh, finalized: AbstractSet[int]
     gathers ahead the block before the last.
     """
     units: list[GatherUnit] = []
+    keep = zero3_keeps_ends_gathered(mesh.pp.size)
     for c, chunk in enumerate(chunks):
         layers = getattr(chunk, "layers", None)
         blocks = dict(layers.items()) if isinstance(layers, nn.ModuleDict) else {}
@@ -673,12 +698,17 @@ def build_units(chunks: list[nn.Module], mesh: Mesh, finalized: AbstractSet[int]
                        for name, module, named in members if named]
         for a, b in zip(chunk_units, chunk_units[1:]):
             a.next_forward, b.next_backward = b, a
-        if chunk_units:
+        if chunk_units and keep:
             chunk_units[-1].kept_for_backward = True
-        if root and chunk_units:
+        if root and chunk_units and keep:
             chunk_units[0].kept_for_backward = True
             # the head's backward comes first, then the last block's (kept): gather the one before it
             chunk_units[0].next_backward = chunk_units[-2] if len(chunk_units) > 2 else None
+        elif root and len(chunk_units) > 1:
+            # Nothing kept: the root is gathered as the chunk's backward starts (its output is the
+            # chunk's) and stays until its last gradient; the first block must not gather it ahead.
+            chunk_units[0].next_backward = chunk_units[-1]  # the head's backward, then the last block's
+            chunk_units[1].next_backward = None
         units += chunk_units
     return units
 
@@ -689,8 +719,8 @@ def _unit_buckets(
     buckets = []
     for part, deferred in split_finalized(named, finalized):
         for (axis_name, _, _), members in group_by_axis(part, mesh).items():
-            axis = mesh[axis_name] if axis_name != "local" else local_axis(mesh)
-            buckets.append(make_bucket(members, axis, axis.size))
+            axis, replicas = bucket_axes(mesh, axis_name, sharded=True)
+            buckets.append(make_bucket(members, axis, axis.size, axis_name, replicas))
             buckets[-1].extra.update(group=chunk, deferred=deferred)
     return buckets
 

@@ -162,9 +162,12 @@ def pp_sends(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, stage: int, tied_v
 
 
 def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: float,
-             ranks_dense: int, ranks_expert: int, kept: tuple[float, float] = (0.0, 0.0),
-             finalized: float = 0.0) -> list[Collective]:
+             kept: tuple[float, float] = (0.0, 0.0), finalized: float = 0.0) -> list[Collective]:
     """Data-parallel (ZeRO) collectives for ``dense`` and ``expert`` parameters held here.
+
+    Under hybrid sharding ZeRO's collectives run inside the shard groups (neighbouring ranks)
+    and each shard's gradient sum is all-reduced over its replicas once per step
+    (`fivefold.rules.volumes.replica_calls`).
 
     ``param_b``: bytes per parameter gathered (ZeRO-1/2/3); ``grad_b``: per gradient element
     reduced (the precision policy's reduction dtype); ``kept``: the (non-expert, expert)
@@ -173,16 +176,22 @@ def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: f
     no expert parameter has one).
     """
     out: list[Collective] = []
+    groups = lay.zero_groups
     span = lay.tp * lay.cp * lay.dp
+    shard_span = span // groups.dense_replicas  # a shard group's ranks lie next to each other
     gathers = 2  # forward and backward; full recomputation runs inside the backward's gather
-    for what, psi, psi_kept, n in (("non-expert", dense, kept[0], ranks_dense),
-                                   ("expert", expert, kept[1], ranks_expert)):
-        if n <= 1 or psi == 0:
+    for what, psi, psi_kept, n, copies in (("non-expert", dense, kept[0], groups.dense_shard, groups.dense_replicas),
+                                           ("expert", expert, kept[1], groups.expert_shard, groups.expert_replicas)):
+        if n * copies <= 1 or psi == 0:
             continue
         finalized_bytes = finalized * grad_b if what == "non-expert" else 0.0
-        calls = volumes.dp_step_calls(lay.zero, psi * grad_b, psi * param_b, lay.num_micro_batches, gathers,
-                                      psi_kept * param_b, finalized_bytes)
-        out += [c._replace(what=f"{what} {c.what}") for c in _collectives("dp", calls, n, span)]
+        if n > 1:
+            calls = volumes.dp_step_calls(lay.zero, psi * grad_b, psi * param_b, lay.num_micro_batches, gathers,
+                                          psi_kept * param_b, finalized_bytes, lay.pp)
+            out += [c._replace(what=f"{what} {c.what}") for c in _collectives("dp", calls, n, shard_span)]
+        if copies > 1 and lay.zero:
+            calls = volumes.replica_calls(psi * grad_b / n)
+            out += [c._replace(what=f"{what} {c.what}") for c in _collectives("dp", calls, copies, span)]
     return out
 
 

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from ..rules import volumes
 from ..config import Config
-from ..rules.layout import validate
+from ..rules.layout import validate, zero_groups
 from ..rules.precision import ElementBytes
 from .activations import (
     activation_bytes_per_layer,
@@ -378,8 +378,9 @@ def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tup
     """(params, grads, optimizer, buffers) bytes of one device of stage ``s``."""
     lay, sb = ctx.lay, ctx.sb
     dense, expert = _params_here(ctx, s == 0, s == lay.pp - 1, n_dense, n_moe)
-    ms_d = zero_model_states(dense, lay.dp * lay.cp, zero, sb, _finalized_params(ctx, s, n_dense, n_moe))
-    ms_e = zero_model_states(expert, lay.dp * lay.cp // lay.ep, zero, sb)  # no expert gradient has a finalizer
+    groups = zero_groups(lay.dp, lay.cp, lay.ep, zero, lay.dp_shard)  # `zero` may differ from lay.zero
+    ms_d = zero_model_states(dense, groups.dense_shard, zero, sb, _finalized_params(ctx, s, n_dense, n_moe), lay.pp)
+    ms_e = zero_model_states(expert, groups.expert_shard, zero, sb, pp=lay.pp)  # no expert gradient has a finalizer
     buffers = 0
     if zero == 3 and n_dense + n_moe:
         per = [ctx.costs[k] for k, n in ((False, n_dense), (True, n_moe)) if n]
@@ -442,7 +443,7 @@ def _peak_candidates(groups: list[tuple[int, int, int]]) -> list[int]:
 
 def _states_key(lay: LayoutSpec, zero: int, optimizer: str) -> tuple:
     """What the model states of every stage depend on (not micro-batching, schedule or recomputation)."""
-    return ("states", lay.tp, lay.pp, lay.vpp, lay.pp_layers, lay.ep, lay.dp * lay.cp, zero, optimizer,
+    return ("states", lay.tp, lay.pp, lay.vpp, lay.pp_layers, lay.ep, lay.dp * lay.cp, lay.dp_shard, zero, optimizer,
             lay.sequence_parallel)  # sequence parallelism adds gradient finalizers
 
 
@@ -484,9 +485,9 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
              + cp_layers(m, lay, eb, n_layers * mbs) + cp_moe_layers(m, lay, n_moe * mbs)
              + ep_layers(m, lay, eb, n_moe * mbs) + pp_sends(m, lay, eb, s, tied))
-    kept = _kept_for_backward(ctx, first, last) if lay.zero == 3 and n_layers else (0.0, 0.0)
-    dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, lay.dp * lay.cp, lay.dp * lay.cp // lay.ep, kept,
-                  _finalized_params(ctx, s, n_dense, n_moe))
+    keeps = lay.zero == 3 and n_layers and volumes.zero3_keeps_ends_gathered(lay.pp)
+    kept = _kept_for_backward(ctx, first, last) if keeps else (0.0, 0.0)
+    dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, kept, _finalized_params(ctx, s, n_dense, n_moe))
     comm_time = {a: 0.0 for a in AXES}
     for c in inner + dp:
         comm_time[c.axis] += c.time(hw)

@@ -54,7 +54,7 @@ class ModelStates(NamedTuple):
     optimizer: int
 
 
-def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, finalized: float = 0.0) -> ModelStates:
+def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, finalized: float = 0.0, pp: int = 1) -> ModelStates:
     """Per-device bytes for ``psi`` parameters sharded over ``n`` ranks at ZeRO ``zero``.
 
     ``finalized`` of the ``psi`` parameters have gradients completed by gradient finalizers:
@@ -62,7 +62,7 @@ def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, finalized: 
     """
     shard = lambda nbytes: math.ceil(nbytes / n)  # noqa: E731
     p, g, k = sb.param * psi, sb.grad * psi, sb.optimizer * psi
-    full = volumes.held_full_grad_bytes(zero, g, sb.grad * finalized)
+    full = volumes.held_full_grad_bytes(zero, g, sb.grad * finalized, pp)
     grads = math.ceil(full) + (shard(g - full) if full < g else 0)
     if zero == 0:
         return ModelStates(math.ceil(p), grads, math.ceil(k))

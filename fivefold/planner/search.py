@@ -54,9 +54,10 @@ def _accepted(config: Config) -> Config | None:
 
 
 def _zero_stages(layout: Layout) -> tuple[int, ...]:
-    """ZeRO stages the runtime accepts for a layout it accepts with ``zero=0`` (its zero rule)."""
-    stages = [0]
-    for z in ZERO_STAGES[1:]:
+    """ZeRO stages the runtime accepts for a layout it accepts (its zero rule; hybrid sharding
+    needs a ZeRO stage)."""
+    stages = []
+    for z in ZERO_STAGES:
         try:
             _check_zero(dataclasses.replace(layout, zero=z))
         except LayoutError:
@@ -88,10 +89,20 @@ def structures(model: ModelSpec, gpus: int, hw: Hardware, global_batch: int,
                 dp = gpus // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                yield from _variants(model, global_batch, tp, pp, cp, dp, schedules, micro_batches, max_vpp)
+                for dp_shard in _shard_degrees(tp, cp, dp, hw.gpus_per_node):
+                    yield from _variants(model, global_batch, tp, pp, cp, dp, schedules, micro_batches, max_vpp,
+                                         dp_shard)
 
 
-def _variants(model, gb, tp, pp, cp, dp, schedules, micro_batches, max_vpp):
+def _shard_degrees(tp: int, cp: int, dp: int, gpus_per_node: int) -> list[int]:
+    """0 (ZeRO over all of dp), and the hybrid sharding whose shard groups (dp_shard x cp x tp
+    neighbouring ranks) fill one node, when that leaves several replicas."""
+    per_node = gpus_per_node // (tp * cp) if gpus_per_node % (tp * cp) == 0 else 0
+    hybrid = per_node > 1 or (per_node == 1 and cp > 1)
+    return [0, per_node] if hybrid and dp % per_node == 0 and dp // per_node > 1 else [0]
+
+
+def _variants(model, gb, tp, pp, cp, dp, schedules, micro_batches, max_vpp, dp_shard=0):
     eps = [e for e in divisors(dp * cp) if model.num_experts % e == 0] if model.is_moe else [1]
     scheds = [("1f1b", 1)] if pp == 1 else [
         (s, v) for s in schedules
@@ -106,7 +117,7 @@ def _variants(model, gb, tp, pp, cp, dp, schedules, micro_batches, max_vpp):
                     for kind in (CP_KINDS if cp > 1 else ("allgather",)):
                         yield LayoutSpec(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp, micro_batch=mb,
                                          global_batch=gb, schedule=sched, sequence_parallel=sp,
-                                         cp_kind=kind)
+                                         cp_kind=kind, dp_shard=dp_shard)
 
 
 def _check_request(gpus: int, global_batch: int) -> None:
@@ -142,7 +153,8 @@ def search(model: ModelSpec | str, gpus: int = 64, hardware: str | Hardware = "H
     for bound, lay in sorted(zip(bounds, shapes), key=lambda x: x[0]):
         if top and len(best) >= top and bound > -best[0]:
             break
-        config = _accepted(runtime_config(m, lay, precision))
+        # hybrid sharding is checked with a ZeRO stage (it shards nothing without one)
+        config = _accepted(runtime_config(m, lay.with_states(1, "none") if lay.dp_shard else lay, precision))
         if config is None:
             continue
         n_valid += 1

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..rules.layout import CP_ALGORITHMS as CP_KINDS
-from ..rules.layout import RECOMPUTE, SCHEDULES, LayoutError, check_chunk_schedule
+from ..rules.layout import RECOMPUTE, SCHEDULES, LayoutError, ZeroGroups, check_chunk_schedule, zero_groups
 from ..config import default_ffn_hidden
 from . import params
 from .errors import PlanError, UnknownNameError, choices
@@ -185,6 +185,7 @@ class LayoutSpec:
     recompute: str = "none"
     cp_kind: str = "allgather"
     pp_layers: tuple[int, ...] = ()
+    dp_shard: int = 0  # hybrid sharding: ZeRO shard groups of dp_shard (x cp) ranks; 0: all of dp
 
     def __post_init__(self) -> None:
         _positive("LayoutSpec", dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
@@ -208,6 +209,13 @@ class LayoutSpec:
         except LayoutError as err:
             raise PlanError(str(err)) from None
         object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
+        if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
+            raise PlanError(f"LayoutSpec.dp_shard={self.dp_shard} does not divide dp={self.dp}; use a divisor or 0")
+
+    @property
+    def zero_groups(self) -> ZeroGroups:
+        """The ZeRO shard and replicate group sizes (`fivefold.rules.layout.zero_groups`)."""
+        return zero_groups(self.dp, self.cp, self.ep, self.zero, self.dp_shard)
 
     @property
     def world(self) -> int:
@@ -233,6 +241,8 @@ class LayoutSpec:
     def short(self) -> str:
         """Compact one-line rendering, parseable by `parse_layout`."""
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.zero_groups.dense_replicas > 1:
+            parts.append(f"dp_shard={self.dp_shard}")
         if self.cp > 1:
             parts += [f"cp={self.cp}", f"cp_kind={self.cp_kind}"]
         if self.ep > 1:
@@ -255,6 +265,7 @@ _LAYOUT_KEYS = {
     "mb": "micro_batch", "micro_batch": "micro_batch", "gb": "global_batch",
     "global_batch": "global_batch", "schedule": "schedule", "sp": "sequence_parallel",
     "sequence_parallel": "sequence_parallel", "recompute": "recompute", "cp_kind": "cp_kind",
+    "dp_shard": "dp_shard",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -3,6 +3,11 @@
 Rank order, fastest-varying first: tp, cp, dp, pp (docs/architecture.md). Tensor-parallel ranks are
 neighbours, like GPUs on one NVLink island. Expert-parallel groups are runs of `ep`
 consecutive ranks of the flattened (dp, cp) group.
+
+Hybrid sharding (HSDP, `layout.dp_shard`): the data-parallel index is replica x dp_shard +
+position, so each ZeRO shard group (dp_shard x cp ranks of one replica, with their tp ranks)
+is a run of neighbouring ranks, inside one node when it fits; the replicas of a shard sit
+dp_shard x cp x tp ranks apart.
 """
 
 from __future__ import annotations
@@ -63,8 +68,52 @@ def edp_index(coords: Coords, layout: Layout) -> int:
     return dp_cp_index(coords, layout) // layout.ep
 
 
+def replica_index(coords: Coords, layout: Layout) -> int:
+    """Which replica of the ZeRO shard groups a rank belongs to (always 0 without HSDP)."""
+    return coords.dp // layout.shard_degree
+
+
+def shard_position(coords: Coords, layout: Layout) -> int:
+    """Position of a rank inside its shard group of the flattened (dp, cp) group, cp fastest."""
+    return (coords.dp % layout.shard_degree) * layout.cp + coords.cp
+
+
+# The axes ZeRO shards over and replicates over, per data axis whose ranks hold copies.
+HYBRID_AXES = {"dp_cp": ("dp_cp_shard", "dp_cp_rep"), "edp": ("edp_shard", "edp_rep")}
+
+
+def is_hybrid(layout: Layout) -> bool:
+    """Whether ZeRO shards over part of the data-parallel ranks and replicates over the rest."""
+    return layout.zero > 0 and layout.replicate_degree > 1
+
+
+@dataclass(frozen=True)
+class ZeroGroups:
+    """Sizes of the groups ZeRO shards over and of their replicas, for non-expert and expert
+    parameters; the sizes of `group_ranks`' dp_cp_shard, dp_cp_rep, edp_shard and edp_rep."""
+
+    dense_shard: int
+    dense_replicas: int
+    expert_shard: int
+    expert_replicas: int
+
+
+def zero_groups(dp: int, cp: int, ep: int, zero: int, dp_shard: int = 0) -> ZeroGroups:
+    """For the runtime's Layout and the planner's LayoutSpec alike (plain degrees in, sizes out).
+
+    Without hybrid sharding (zero = 0 or dp_shard in (0, dp)) states are sharded over all of
+    dp x cp (experts over dp x cp / ep). With it, a shard group is dp_shard x cp ranks, and an
+    expert's copies inside one shard group (none when an expert group spans whole shard groups)."""
+    hybrid = zero > 0 and 0 < dp_shard < dp
+    shard = (dp_shard if hybrid else dp) * cp
+    dense_replicas = dp * cp // shard
+    expert_shard = max(1, shard // ep)
+    return ZeroGroups(shard, dense_replicas, expert_shard, dp * cp // ep // expert_shard)
+
+
 def group_ranks(layout: Layout, axis: str) -> list[list[int]]:
-    """Every group of global ranks along `axis` (pp, dp, cp, tp, dp_cp, ep, edp, pp_ends).
+    """Every group of global ranks along `axis` (pp, dp, cp, tp, dp_cp, ep, edp, pp_ends, and
+    the hybrid-sharding axes dp_cp_shard, dp_cp_rep, edp_shard, edp_rep).
 
     `pp_ends` pairs the first and last pipeline ranks of each (dp, cp, tp) position (they
     both hold a tied embedding); middle pipeline ranks are groups of one.
@@ -95,6 +144,20 @@ def _group_key(c: Coords, layout: Layout, axis: str) -> tuple:
     if axis == "pp_ends":
         end = c.pp in (0, layout.pp - 1)
         return (-1 if end else c.pp, c.dp, c.cp, c.tp)
+    return _hybrid_group_key(c, layout, axis)
+
+
+def _hybrid_group_key(c: Coords, layout: Layout, axis: str) -> tuple:
+    """A shard group is the members of a data axis inside one replica; a replicate group is the
+    members at the same place of every replica's shard group."""
+    if axis == "dp_cp_shard":
+        return (c.pp, c.tp, replica_index(c, layout))
+    if axis == "dp_cp_rep":
+        return (c.pp, c.tp, shard_position(c, layout))
+    if axis == "edp_shard":
+        return (c.pp, c.tp, ep_index(c, layout), replica_index(c, layout))
+    if axis == "edp_rep":
+        return (c.pp, c.tp, ep_index(c, layout), shard_position(c, layout) // layout.ep)
     raise ValueError(f"unknown axis {axis!r}")
 
 
@@ -271,11 +334,34 @@ def _check_zero(layout: Layout) -> None:
         raise LayoutError(
             f"zero={layout.zero} shards over data-parallel ranks but dp x cp = 1; set layout.dp > 1 or zero = 0"
         )
-    if layout.zero == 3 and layout.pp > 1:
+    _check_hybrid(layout)
+
+
+def _check_hybrid(layout: Layout) -> None:
+    """layout.dp_shard: ZeRO shard groups of dp_shard (x cp) ranks, replicated dp / dp_shard times."""
+    shard, dp = layout.dp_shard, layout.dp
+    if shard == 0 or shard == dp:
+        return
+    if shard < 0 or dp % shard:
         raise LayoutError(
-            f"zero=3 with pp={layout.pp} is not supported: ZeRO-3 gathers each layer's parameters around every "
-            "forward and backward, and a pipeline runs them once per micro-batch, interleaved across micro-batches; "
-            "use zero <= 2 with pipeline parallelism (or pp = 1)"
+            f"layout.dp_shard={shard} does not divide dp={dp}; use one of {', '.join(map(str, divisors(dp)))} "
+            "(dp = replicas x dp_shard), or 0 to shard over all of dp"
+        )
+    if layout.zero == 0:
+        raise LayoutError(
+            f"layout.dp_shard={shard} shards ZeRO state but zero=0; set layout.zero to 1, 2 or 3, or drop dp_shard"
+        )
+    group = shard * layout.cp
+    if group == 1:
+        raise LayoutError(
+            f"layout.dp_shard=1 with cp=1 leaves one rank per shard group (nothing sharded); "
+            f"use dp_shard in {[d for d in divisors(dp) if d > 1]}, or zero=0 for plain data parallel"
+        )
+    if layout.ep > 1 and group % layout.ep and layout.ep % group:
+        raise LayoutError(
+            f"ep={layout.ep} neither divides nor is a multiple of the shard group dp_shard x cp = {group} "
+            f"(expert groups must lie inside one shard group or span whole ones); use dp_shard in "
+            f"{[d for d in divisors(dp) if (d * layout.cp) % layout.ep == 0 or layout.ep % (d * layout.cp) == 0]}"
         )
 
 

@@ -42,7 +42,9 @@ FP32 = ElementBytes(4, 4)  # bytes per element of both activation kinds in fp32
 # parameters) or on the expert-data-parallel group (experts); the tied embedding's gradient
 # sum between the first and last pipeline stages runs on pp_ends. "world" (the loss and the
 # global gradient norm) is not a parallel axis and maps to none.
-PLANNER_AXIS = {"dp_cp": "dp", "edp": "dp", "dp": "dp", "tp": "tp", "pp": "pp", "pp_ends": "pp", "cp": "cp", "ep": "ep"}
+PLANNER_AXIS = {"dp_cp": "dp", "edp": "dp", "dp": "dp", "tp": "tp", "pp": "pp", "pp_ends": "pp", "cp": "cp", "ep": "ep",
+                # hybrid sharding: ZeRO inside the shard groups and the sums over their replicas
+                "dp_cp_shard": "dp", "dp_cp_rep": "dp", "edp_shard": "dp", "edp_rep": "dp"}
 
 
 def planner_axis_bytes(wire: dict[str, int]) -> dict[str, int]:
@@ -373,10 +375,27 @@ def pp_calls(act_bytes: int, forward_sends: int, backward_sends: int) -> list[Ca
 # ----------------------------------------------------------------------------- data parallel
 
 
-def zero_reduction(zero: int, grad_bytes: float, micro_batches: int, finalized_bytes: float = 0.0) -> list[Call]:
+def reduces_once_per_step(zero: int, pp: int) -> bool:
+    """Whether ZeRO keeps a step's full local gradients and reduce-scatters them once, after the
+    last micro-batch: stage 1 always, and stage 3 inside a pipeline, whose micro-batches'
+    backwards interleave with other micro-batches' forwards (as torch's pipeline schedules run
+    FSDP: gradient sync only for the last micro-batch); stages 2 and 3 otherwise reduce every
+    backward."""
+    return zero == 1 or (zero == 3 and pp > 1)
+
+
+def zero3_keeps_ends_gathered(pp: int) -> bool:
+    """Whether ZeRO-3 keeps a chunk's root and last block gathered from their forward to their
+    backward: only without a pipeline, where that backward follows at once. In a pipeline other
+    micro-batches' forwards run in between, so every forward and backward gathers its units."""
+    return pp == 1
+
+
+def zero_reduction(zero: int, grad_bytes: float, micro_batches: int, finalized_bytes: float = 0.0,
+                   pp: int = 1) -> list[Call]:
     """ZeRO's gradient reduce-scatters of one step (stages 1-3), and what ZeRO-2/3 hold full.
 
-    Stage 1 reduces once per step. Stages 2-3 reduce-scatter each backward's gradients as they
+    Stage 1 (and stage 3 in a pipeline, `reduces_once_per_step`) reduces once per step. Stages 2-3 reduce-scatter each backward's gradients as they
     complete and keep only their shard, but for the ``finalized_bytes`` of gradients that
     gradient finalizers complete (sums over tp, `tp_finalized_elements`; the tied embedding's
     sum over the pipeline ends): those parameters sit in buckets of their own that keep their
@@ -385,21 +404,23 @@ def zero_reduction(zero: int, grad_bytes: float, micro_batches: int, finalized_b
     """
     if zero == 1:
         return [Call("reduce_scatter", grad_bytes, 1, "bwd", "grads")]
+    if reduces_once_per_step(zero, pp):
+        micro_batches = 1
     out = [Call("reduce_scatter", grad_bytes - finalized_bytes, micro_batches, "bwd", "grads")]
     if finalized_bytes:
         out.append(Call("reduce_scatter", finalized_bytes, 1, "bwd", "grads after their finalizers"))
     return [c for c in out if c.nbytes]
 
 
-def held_full_grad_bytes(zero: int, grad_bytes: float, finalized_bytes: float) -> float:
+def held_full_grad_bytes(zero: int, grad_bytes: float, finalized_bytes: float, pp: int = 1) -> float:
     """Gradient bytes a ZeRO rank holds unsharded at the end of the backward (`zero_reduction`):
-    all of them at stages 0-1, the finalized ones at stages 2-3."""
-    return grad_bytes if zero < 2 else finalized_bytes
+    all of them at stages 0-1 and at stage 3 in a pipeline, the finalized ones at stages 2-3."""
+    return grad_bytes if zero == 0 or reduces_once_per_step(zero, pp) else finalized_bytes
 
 
 def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batches: int,
                   gathers_per_micro_batch: int = 2, kept_bytes: float = 0.0,
-                  finalized_bytes: float = 0.0) -> list[Call]:
+                  finalized_bytes: float = 0.0, pp: int = 1) -> list[Call]:
     """Data-parallel (ZeRO) collectives of one step for a rank's gradients / parameters.
 
     ZeRO-0: one all-reduce of the gradients per step. ZeRO-1: reduce-scatter of the gradients
@@ -413,7 +434,7 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
     """
     if zero == 0:
         return [Call("all_reduce", grad_bytes, 1, "bwd", "grads")]
-    reduce = zero_reduction(zero, grad_bytes, micro_batches, finalized_bytes)
+    reduce = zero_reduction(zero, grad_bytes, micro_batches, finalized_bytes, pp)
     if zero in (1, 2):
         return [*reduce, Call("all_gather", param_bytes, 1, "step", "updated params")]
     if not kept_bytes:
@@ -422,6 +443,12 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
             Call("all_gather", param_bytes - kept_bytes, (gathers_per_micro_batch - 1) * micro_batches, "bwd",
                  "params not kept from the forward"),
             *reduce]
+
+
+def replica_calls(shard_grad_bytes: float) -> list[Call]:
+    """Hybrid sharding: the all-reduce of each gradient shard over the replicas of its shard
+    group, once per step after the last micro-batch (zero.py `_sum_over_replicas`)."""
+    return [Call("all_reduce", shard_grad_bytes, 1, "step", "grad shards over replicas")]
 
 
 def dp_comm_bytes_per_step(elements: int, n: int, stage: int, micro_batches: int = 1,

@@ -1,4 +1,4 @@
-"""`fivefold plan --compare zero|schedule|axes`: the background articles' comparisons for your model.
+"""`fivefold plan --compare zero|schedule|axes|hsdp`: the background articles' comparisons for your model.
 
 - zero: model-state bytes per device for each ZeRO stage, the ZeRO paper's Figure 1
   (Rajbhandari et al. 2020) for any model: 2 + 2 + K bytes per parameter (K = 12 for
@@ -6,6 +6,8 @@
 - schedule: bubble and activation memory of each pipeline schedule on the same layout, and the
   ideal Gantt chart of every schedule (the runtime's own schedule tables run by its simulator)
   as one PNG.
+- hsdp: ZeRO-3 over all the devices against hybrid sharding (shard groups of 2, 4, ... devices,
+  replicated over the rest): model states per device against data-parallel bytes and time.
 - axes: the five strategies side by side on the same cluster: what each splits, its
   collective, memory per device, bytes per step on its axis, step time, when to use it.
 
@@ -233,6 +235,45 @@ def axes_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global
     return table
 
 
+# -------------------------------------------------------------------------------------- hsdp
+
+
+def hsdp_rows(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_batch: int) -> list[dict[str, Any]]:
+    """ZeRO-3 over all `gpus` data-parallel devices, then each hybrid sharding of them (shard
+    groups of every divisor of `gpus`, largest first), one micro-batch per device with full
+    recomputation (so activations leave room for the states)."""
+    rows = []
+    for shard in sorted((d for d in divisors(gpus) if d > 1), reverse=True):
+        lay = LayoutSpec(dp=gpus, zero=3, micro_batch=1, global_batch=global_batch, recompute="full",
+                         dp_shard=0 if shard == gpus else shard)
+        row: dict[str, Any] = {"layout": lay.short(), "shard": shard, "replicas": gpus // shard}
+        try:
+            row["estimate"] = estimate(model, lay, hw, precision)
+        except PlanError as err:
+            row["error"] = str(err)
+        rows.append(row)
+    return rows
+
+
+def hsdp_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_batch: int) -> Table:
+    table = Table(title=f"ZeRO-3 against hybrid sharding on {gpus} x {hw.name} ({hw.gpus_per_node} per node): "
+                        f"{model.name}, sequence {model.seq_len}, global batch {global_batch}")
+    for col in ("layout", "shard group", "replicas", "states GiB/device", "GiB/device", "fits", "dp GB/step",
+                "dp s/step", "step s"):
+        table.add_column(col, no_wrap=True, justify="left" if col == "layout" else "right")
+    for row in hsdp_rows(model, gpus, hw, precision, global_batch):
+        head = (row["layout"], str(row["shard"]), str(row["replicas"]))
+        if "error" in row:
+            table.add_row(*head, row["error"], "", "", "", "", "")
+            continue
+        e: Estimate = row["estimate"]
+        states = e.memory.params + e.memory.grads + e.memory.optimizer
+        table.add_row(*head, f"{states / GiB:.1f}", f"{e.memory.total / GiB:.1f}", "yes" if e.fits else "no",
+                      f"{e.comm_bytes.get('dp', 0) / GB:.1f}", f"{e.comm_time_s.get('dp', 0):.3g}",
+                      f"{e.step_time_s:.3g}")
+    return table
+
+
 # ----------------------------------------------------------------------------- rules of thumb
 
 
@@ -341,6 +382,12 @@ def run_compare(args, model: ModelSpec, hardware: str, out) -> int:
         return 0
     if args.compare == "axes":
         out.print(axes_table(model, gpus, hw, args.precision, global_batch))
+        return 0
+    if args.compare == "hsdp":
+        out.print(hsdp_table(model, gpus, hw, args.precision, global_batch))
+        out.print("A shard group's all-gathers and reduce-scatters stay among neighbouring devices (inside a node "
+                  "when it fits); each step adds one all-reduce of the gradient shards over the replicas.",
+                  highlight=False)
         return 0
     base = parse_layout(args.layout, global_batch=global_batch) if args.layout else \
         default_pipeline_layout(model, gpus, hw, args.global_batch)

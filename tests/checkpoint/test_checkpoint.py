@@ -497,6 +497,10 @@ def save_then_resume(pools, saved, resumed, saved_steps: int, total_steps: int, 
         ("tiny", "cp=2", "dp=2,zero=2"),
         ("tiny-moe", "dp=2,ep=2", "tp=2,pp=2"),
         ("tiny-moe", "dp=4,ep=2,zero=1", "cp=2,ep=2"),
+        # hybrid sharding: shards replicated over two shard groups, saved once, read by any layout
+        ("tiny", "dp=4,dp_shard=2,zero=3", "dp=4,zero=3"),
+        ("tiny", "dp=4,zero=2", "dp=4,dp_shard=2,zero=2"),
+        ("tiny-moe", "dp=4,dp_shard=2,ep=2,zero=3", "dp=2,ep=2,zero=1"),
     ],
 )
 def test_resume_under_another_layout_matches_the_reference(pools, reference, tmp_path, preset, saved_layout, resumed_layout):

@@ -226,6 +226,8 @@ LAYOUTS = [
     pytest.param("tiny", dict(dp=2, tp=2, zero=3), {}, 4, id="zero3-tp2"),
     pytest.param("tiny", dict(pp=2, dp=2), {"tied_embeddings": True}, 4, id="pp2-tied"),
     pytest.param("tiny-moe", dict(dp=4, ep=2), {}, 4, id="ep2-dp4"),
+    # hybrid sharding: each shard is held by both replicas and written by one
+    pytest.param("tiny", dict(dp=4, dp_shard=2, zero=3), {}, 4, id="hsdp-zero3"),
 ]
 
 
@@ -304,6 +306,7 @@ META_LAYOUTS = [  # and the axes the save must communicate over
                  {"tp", "pp"}, id="pp2-tp2-sp-tied"),
     pytest.param("tiny", dict(dp=2, tp=2, zero=3), {}, {"dp_cp", "tp"}, id="zero3-tp2"),
     pytest.param("tiny-moe", dict(dp=4, ep=2), {}, {"dp_cp"}, id="ep2-dp4"),
+    pytest.param("tiny", dict(dp=4, dp_shard=2, zero=3), {}, {"dp_cp"}, id="hsdp-zero3"),
     pytest.param("tiny-moe", dict(dp=2, ep=2, tp=2), {}, {"dp_cp", "tp"}, id="ep2-tp2"),
     pytest.param("tiny", dict(pp=2, vpp=2, dp=2, zero=1, pp_schedule="interleaved", grad_accum=2), {}, {"pp"}, id="pp2-vpp2-zero1"),
 ]

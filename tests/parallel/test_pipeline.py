@@ -303,7 +303,7 @@ def _missing(module: str) -> bool:
 
 @pytest.mark.skipif(_missing("data_parallel"), reason="fivefold.parallel.data_parallel is not built yet")
 def test_parity_with_data_parallel_and_zero(pools, reference):
-    for extra in (["layout.zero=0"], ["layout.zero=1"], ["layout.zero=2"]):  # zero=3 with pp is refused
+    for extra in (["layout.zero=0"], ["layout.zero=1"], ["layout.zero=2"]):  # zero=3: test_zero3_pipeline.py
         overrides = ["layout.pp=2", "layout.dp=2", "layout.grad_accum=4", "layout.pp_schedule=1f1b"] + extra
         _check_parity(pools, reference, overrides)
     overrides = ["layout.pp=4", "layout.dp=2", "layout.pp_layers=1,2,1,4", "model.layers=8", "layout.grad_accum=2",

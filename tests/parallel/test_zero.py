@@ -116,9 +116,8 @@ def test_bad_zero_layouts_are_explained():
         validate(tiny(zero=2), 1)
     with pytest.raises(LayoutError, match="not a ZeRO stage"):
         validate(tiny(dp=2, zero=4), 2)
-    with pytest.raises(LayoutError, match="zero=3 with pp=2"):
-        validate(tiny(dp=2, pp=2, zero=3), 4)
-    validate(tiny(dp=2, pp=2, zero=1), 4)  # ZeRO-1/2 compose with pipelines
+    for zero in (1, 2, 3):  # every stage composes with pipelines
+        validate(tiny(dp=2, pp=2, zero=zero), 4)
 
 
 def _gathers_ahead_into_flat_storage(ctx) -> dict:

@@ -80,9 +80,9 @@ def test_every_layout_the_runtime_accepts_is_considered(model, gpus, batch):
 
 
 def test_planner_refuses_what_the_runtime_refuses_with_its_message():
-    with pytest.raises(PlanError, match="zero=3 with pp=2 is not supported"):
-        estimate(DENSE, LayoutSpec(dp=2, pp=2, zero=3, global_batch=4))
-    assert all(not (lay.zero == 3 and lay.pp > 1) for lay, _ in search(DENSE, gpus=8, global_batch=16, top=None))
+    with pytest.raises(PlanError, match="layout.dp_shard=2 shards ZeRO state but zero=0"):
+        estimate(DENSE, LayoutSpec(dp=4, dp_shard=2, zero=0, global_batch=4))
+    assert all(lay.zero or not lay.dp_shard for lay, _ in search(DENSE, gpus=8, global_batch=16, top=None))
 
 
 def test_tp_beyond_kv_heads_repeats_them_as_the_runtime_does():
@@ -149,8 +149,8 @@ def test_estimate_of_a_runtime_config():
     layout = LayoutSpec(tp=8, pp=4, dp=2, zero=1, micro_batch=1, cp_kind="ring", global_batch=512)
     want = estimate(model_spec(config.model, 8192), layout, "H100-80GB")
     assert e.layout == want.layout and e.memory == want.memory and e.step_time_s == want.step_time_s
-    with pytest.raises(LayoutError, match="zero=3 with pp=4"):
-        estimate_run(config.replace(layout=dataclasses.replace(config.layout, zero=3)))
+    with pytest.raises(LayoutError, match="layout.dp_shard=3 does not divide dp=2"):
+        estimate_run(config.replace(layout=dataclasses.replace(config.layout, dp_shard=3)))
 
 
 @pytest.mark.parametrize("lay", [

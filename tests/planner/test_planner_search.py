@@ -149,5 +149,5 @@ def test_cli_bad_input_returns_2(capsys):
     assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=2,tp=2", "--gpus", "8"]) == 2
     assert run_plan_cli(["--model", "llama3-8b", "--gpus", "0"]) == 2
     assert "--gpus must be at least 1, got 0" in capsys.readouterr().err
-    assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=2,pp=2,zero=3", "--global-batch", "8"]) == 2
-    assert "zero=3 with pp=2 is not supported" in capsys.readouterr().err
+    assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=4,dp_shard=3,zero=3", "--global-batch", "8"]) == 2
+    assert "dp_shard=3 does not divide dp=4" in capsys.readouterr().err
