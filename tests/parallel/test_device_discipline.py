@@ -96,9 +96,12 @@ def run_on_meta(config, ranks: list[int], folder: Path, monkeypatch) -> dict[int
     return off_device
 
 
-LAYOUTS = FOUR_RANKS + EIGHT_RANKS + [  # the parity matrix, and ZeRO-2/3 alone
+LAYOUTS = FOUR_RANKS + EIGHT_RANKS + [  # the parity matrix; ZeRO-2/3 alone, in a pipeline, hybrid
     load_config("tiny", ["layout.dp=2", "layout.zero=2"]),
     load_config("tiny", ["layout.dp=2", "layout.zero=3", "layout.grad_accum=2"]),
+    load_config("tiny", ["layout.dp=2", "layout.pp=2", "layout.zero=3", "layout.grad_accum=2"]),
+    load_config("tiny", ["layout.dp=4", "layout.dp_shard=2", "layout.zero=3"]),
+    load_config("tiny-moe", ["layout.dp=4", "layout.dp_shard=2", "layout.ep=2", "layout.zero=2"]),
 ]
 
 
@@ -152,7 +155,7 @@ def test_the_recorder_sees_a_host_tensor_that_bypasses_comm():
 
 
 def test_layouts_cover_the_parity_matrix_and_every_recompute_mode():
-    assert len(LAYOUTS) == len(FOUR_RANKS) + len(EIGHT_RANKS) + 2
+    assert len(LAYOUTS) == len(FOUR_RANKS) + len(EIGHT_RANKS) + 5
     modes = {RECOMPUTE[i % len(RECOMPUTE)] for i, _ in enumerate(LAYOUTS)}
     assert modes == set(RECOMPUTE)
     assert any(c.layout.pp > 1 for c in LAYOUTS)  # the timeline's gather is traced there
