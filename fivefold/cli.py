@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from .job.cluster import adopt_slurm_environment, job_world_size, where_prefix
-from .config import Config, ConfigError, preset_names
-from .rules.layout import LayoutError, config_from_args, validate  # noqa: F401 (config_from_args: the CLI's API)
+from .config import Config, ConfigError, Layout, preset_names, with_overrides
+from .rules.layout import LayoutError, config_from_args, layout_overrides, validate
 
 
 class CliError(Exception):
@@ -47,7 +47,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     adopt_slurm_environment()  # srun tasks join one job like torchrun's workers
     if args.world_size is not None and args.world_size < 1:
         raise CliError(f"--world-size={args.world_size} must be at least 1 (the number of processes for --layout auto)")
-    config = config_from_args(args.config, args.layout, overrides)
+    config = train_config(args, overrides)
     if args.run_dir:
         config = config.replace(train=_replace(config.train, run_dir=args.run_dir))
     if args.resume:
@@ -55,9 +55,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if args.layout == "auto":
         config = choose_layout_automatically(config, args.world_size or job_world_size())
     config = validate(config)  # before any process starts
-    from .run import RunError, check_machine, new_run_dir, run_training
+    from .run import RunError, check_machine, check_steps_left, new_run_dir, run_training
 
     try:
+        check_steps_left(config)
         check_machine(config)
         under_torchrun = "RANK" in os.environ
         if config.layout.world_size > 1 and not under_torchrun:
@@ -67,6 +68,20 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
         print(f"fivefold: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def train_config(args: argparse.Namespace, overrides: list[str]) -> Config:
+    """The config `train` runs: the preset or TOML file of --config (default small), except that
+    --resume without --config continues the run folder's own saved config. The --layout string
+    and dotted overrides apply on top; a --layout string describes the whole layout, as it does
+    over a preset, while --layout.KEY changes one key of the saved layout."""
+    from .job.rundir import saved_run_config
+
+    saved = saved_run_config(Path(args.run_dir)) if args.resume and args.run_dir and args.config is None else None
+    if saved is None:
+        return config_from_args(args.config, args.layout, overrides)
+    layout = layout_overrides(args.layout)
+    return with_overrides(saved.replace(layout=Layout()) if layout else saved, layout + overrides)
 
 
 def launch_training(config: Config, args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
@@ -206,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--resume", action="store_true",
-        help="continue from the newest complete checkpoint of --run-dir (start fresh if there is none); "
-        "checkpoints are written every --checkpoint.interval steps",
+        help="continue from the newest complete checkpoint of --run-dir (start fresh if there is none) with "
+        "the run's own saved config unless --config is given; checkpoints are written every "
+        "--checkpoint.interval steps",
     )
     train.set_defaults(func=cmd_train)
 

@@ -301,6 +301,11 @@ def load_config(name_or_path: str | None = "small", overrides: list[str] | None 
     config = Config()
     if name_or_path:
         config = merge(config, load_toml(resolve_preset(name_or_path)))
+    return with_overrides(config, overrides or [])
+
+
+def with_overrides(config: Config, overrides: list[str]) -> Config:
+    """`config` with dotted `section.key=value` overrides applied; every key and value checked."""
     if overrides:
         config = merge(config, parse_overrides(overrides))
     return check_values(config)

@@ -8,6 +8,8 @@ A run folder holds one run's metrics, checkpoints and final weights. Three rules
 - a folder that already holds something is refused unless the run continues it (`--resume`)
   or replaces it (`--overwrite`, which empties a previous run's folder first, and refuses a
   folder that does not look like a run, so a mistyped `--run-dir ~` deletes nothing);
+- a resumed run continues the folder's own config (config.json, or the config.toml that
+  `convert import` writes) unless `--config` names another;
 - files a reader may open at any time (config.json, an index) are written to a side file,
   flushed to disk, then renamed over the old one: a crash or a full disk leaves the old file
   whole; the final weights, several files, are written whole into a staging folder first and
@@ -28,6 +30,8 @@ import shutil
 import socket
 from pathlib import Path
 from typing import Callable
+
+from ..config import Config, config_from_dict, load_config
 
 LOCK_FILE = ".lock"
 RUNS_ROOT = Path("runs")
@@ -239,3 +243,45 @@ def continues_a_checked_job() -> bool:
     """A worker of a job whose launcher checked the folder, or a torchrun restart of this job."""
     launched = os.environ.get("FIVEFOLD_LAUNCHED") == "1"
     return launched or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+# ---------------------------------------------------------------------------- a run's own record
+
+
+def saved_run_config(run_dir: Path) -> Config | None:
+    """The config the run in `run_dir` was started with: config.json (every run writes it), else the
+    config.toml of `convert import`; None for a folder holding neither."""
+    run_dir = Path(run_dir)
+    saved_json, saved_toml = run_dir / "config.json", run_dir / "config.toml"
+    if saved_json.is_file():
+        try:
+            return config_from_dict(json.loads(saved_json.read_text()))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise RunFolderError(f"{saved_json} is not a run's config ({err}); name the run's settings with "
+                                 "--config PRESET_OR_TOML") from None
+    if saved_toml.is_file():
+        return load_config(str(saved_toml))
+    return None
+
+
+def supersede_metrics(run_dir: Path, start: int) -> int:
+    """Drop the metrics.jsonl rows of steps `start` and later, which a run resumed at `start` trains
+    again: the file never repeats a step. Returns how many rows were dropped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    kept = [line for line in lines if _logged_step(line) is None or _logged_step(line) < start]
+    if len(kept) < len(lines):
+        atomic_write(path, lambda side: side.write_text("".join(kept)))
+    return len(lines) - len(kept)
+
+
+def _logged_step(line: str) -> int | None:
+    """The step of one metrics.jsonl row; None for a line that is not a step record (kept as it is)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None

@@ -105,7 +105,14 @@ def read_metrics(path: Path, missing: list[str]) -> list[dict[str, Any]]:
         missing.append(f"metrics.jsonl lines {bad} are not step records (a run stopped while writing?): skipped")
     if not records and not bad:
         missing.append("metrics.jsonl holds no steps yet")
-    return records
+    return latest_row_per_step(records)
+
+
+def latest_row_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, in step order: where a resumed run trained a step again (files written
+    before resuming superseded earlier rows), its later row is the one the weights went on from."""
+    by_step = {record["step"]: record for record in records}
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def load_run(run_dir: str | Path) -> RunData:
