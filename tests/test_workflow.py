@@ -81,7 +81,7 @@ def test_resume_after_import_reads_the_imported_config(tmp_path):
 def test_resuming_a_finished_run_is_refused_and_changes_nothing(tmp_path, interval):
     run = train(tmp_path, "run", "--train.steps", "2", "--checkpoint.interval", interval)
     metrics = (run / "metrics.jsonl").read_bytes()
-    code, out, err = cli("train", "--run-dir", "run", "--resume", cwd=tmp_path)
+    code, out, err = cli("train", *SMALL, "--run-dir", "run", "--resume", cwd=tmp_path)
     assert code == 2 and "Traceback" not in err
     assert "has finished 2 steps" in err and "--train.steps N with N larger than 2" in err
     assert (run / "metrics.jsonl").read_bytes() == metrics

@@ -253,13 +253,28 @@ def throughput_section(run: RunData) -> Section:
         right.set_ylabel("MFU (%)", color="#dd8452")
     else:
         section.notes.append("MFU not logged by this run")
-    predicted = run.prediction.get("tokens_per_s")
+    predicted = drawn_prediction(section, run, "tokens_per_s", "tokens/s")
     if predicted:
         ax.axhline(predicted, color="#4c72b0", linestyle="--", label="planner's tokens/s")
     ax.legend(loc="lower right")
     section.figures.append(Figure("throughput", "tokens/s and MFU per step", _png(fig)))
     section.notes.append("MFU against a matmul peak measured at the start of the run (fivefold/observe/metrics.py)")
     return section
+
+
+def drawn_prediction(section: Section, run: RunData, key: str, unit: str) -> float | None:
+    """The planner's time-based value `key` to draw beside the measured one, or None.
+
+    On a CPU that `fivefold plan --calibrate` never measured the planner's times rest on two
+    rates and defaults and are often 10-100x off: drawn, they would set the chart's scale and
+    flatten the measured curve. They are left out, and the section says so.
+    """
+    predicted = run.prediction.get(key)
+    if predicted and not run.prediction.get("step_time_calibrated", True):
+        section.notes.append(f"the planner's {predicted:.3g} {unit} is not drawn: its step time is uncalibrated "
+                             "on this CPU (`fivefold plan --calibrate` measures it); the chart shows the measurement")
+        return None
+    return predicted
 
 
 def step_time_section(run: RunData) -> Section:
@@ -271,13 +286,13 @@ def step_time_section(run: RunData) -> Section:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5), gridspec_kw={"width_ratios": [2, 1]})
     left.plot(steps, seconds, label="measured")
-    predicted = run.prediction.get("step_time_s")
+    predicted = drawn_prediction(section, run, "step_time_s", "s/step")
     if predicted:
         left.axhline(predicted, color="grey", linestyle="--", label="planner")
     _steps_axis(left)
     left.set_ylabel("seconds per step")
     left.legend()
-    breakdown = run.prediction.get("breakdown_s", {})
+    breakdown = run.prediction.get("breakdown_s", {}) if predicted else {}
     _stack(right, "planner", breakdown, "planner: ")
     phases = _median_phases(run.records)
     if phases:
@@ -293,7 +308,7 @@ def step_time_section(run: RunData) -> Section:
     right.set_ylabel("seconds")
     right.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     section.figures.append(Figure("step_time", "step time: measured and the planner's breakdown", _png(fig)))
-    if not breakdown:
+    if not run.prediction.get("breakdown_s"):
         section.notes.append("no planner breakdown (prediction.json missing)")
     section.notes.append(
         "Measured phases: forward_backward holds compute, tensor/context/expert/pipeline communication and "
