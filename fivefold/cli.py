@@ -55,15 +55,18 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if args.layout == "auto":
         config = choose_layout_automatically(config, args.world_size or job_world_size())
     config = validate(config)  # before any process starts
+    from .job.rundir import removed_if_left_empty
     from .run import RunError, check_machine, check_steps_left, new_run_dir, run_training
 
+    run_dir = new_run_dir(config)
     try:
-        check_steps_left(config)
-        check_machine(config)
-        under_torchrun = "RANK" in os.environ
-        if config.layout.world_size > 1 and not under_torchrun:
-            return launch_training(config, args, argv, new_run_dir(config))
-        run_training(config, overwrite=args.overwrite)
+        with removed_if_left_empty(run_dir):  # a refused run leaves no folder behind
+            check_steps_left(config)
+            check_machine(config)
+            under_torchrun = "RANK" in os.environ
+            if config.layout.world_size > 1 and not under_torchrun:
+                return launch_training(config, args, argv, run_dir)
+            run_training(config, run_dir, overwrite=args.overwrite)
     except RunError as err:
         print(f"fivefold: error: {err}", file=sys.stderr)
         return 1

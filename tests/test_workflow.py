@@ -81,7 +81,7 @@ def test_resume_after_import_reads_the_imported_config(tmp_path):
 def test_resuming_a_finished_run_is_refused_and_changes_nothing(tmp_path, interval):
     run = train(tmp_path, "run", "--train.steps", "2", "--checkpoint.interval", interval)
     metrics = (run / "metrics.jsonl").read_bytes()
-    code, out, err = cli("train", *SMALL, "--run-dir", "run", "--resume", cwd=tmp_path)
+    code, out, err = cli("train", *SMALL, "--train.steps", "2", "--run-dir", "run", "--resume", cwd=tmp_path)
     assert code == 2 and "Traceback" not in err
     assert "has finished 2 steps" in err and "--train.steps N with N larger than 2" in err
     assert (run / "metrics.jsonl").read_bytes() == metrics
@@ -122,3 +122,34 @@ def test_the_progress_bar_shows_no_loss_before_the_first_step():
     console.print(progress.get_renderable())
     text = console.file.getvalue()
     assert "loss -" in text and "nan" not in text
+
+
+def test_a_refused_run_removes_the_folder_it_created_and_keeps_one_that_was_there(tmp_path):
+    (tmp_path / "was_there").mkdir()
+    for folder in ("new", "was_there"):
+        for layout in ("dp=1", "dp=2"):  # in this process, and refused by the launcher before it starts ranks
+            code, out, err = cli("train", *SMALL, "--layout", layout, "--run-dir", folder,
+                                 "--data.source", "missing.bin", cwd=tmp_path)
+            assert code == 2 and "data.source=missing.bin does not exist" in err
+    assert not (tmp_path / "new").exists() and (tmp_path / "was_there").is_dir()
+
+
+def test_report_of_a_folder_of_runs_names_the_runs_inside(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    code, out, err = cli("report", "runs", cwd=tmp_path)
+    assert code == 2 and "runs holds 2 run folder(s) (a, b), not a run" in err
+    assert "fivefold report runs/b" in err and not (tmp_path / "runs" / "report").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--train.step", "3"], "unknown key 'train.step' (did you mean 'train.steps'?)"),
+    (["--trian.steps", "3"], "unknown section 'trian' (did you mean 'train'?)"),
+    (["--layout", "dp=2,tpp=2"], "unknown key 'layout.tpp' (did you mean 'layout.tp'?)"),
+    (["--layout", "pp=2,pp_layers=3,3"], "give it on its own as --layout.pp_layers 3,3"),
+])
+def test_a_misspelled_setting_names_the_fix(argv, words, tmp_path):
+    code, out, err = cli("train", "--config", "tiny", *argv, "--run-dir", "run", cwd=tmp_path)
+    assert code == 2 and words in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -20,6 +20,7 @@ Nothing here imports torch, so the launcher checks a folder before it starts any
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -29,7 +30,7 @@ import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..config import Config, config_from_dict, load_config
 
@@ -243,6 +244,27 @@ def continues_a_checked_job() -> bool:
     """A worker of a job whose launcher checked the folder, or a torchrun restart of this job."""
     launched = os.environ.get("FIVEFOLD_LAUNCHED") == "1"
     return launched or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
+    """Around a run: a folder that did not exist before and holds no file afterwards (the run
+    was refused before it wrote anything) is removed, so a refusal leaves nothing behind. A
+    folder that existed before is never touched, and only empty folders are removed (rmdir
+    fails on anything else), so no rank or attempt can delete what another wrote."""
+    run_dir = Path(run_dir)
+    existed = run_dir.exists()
+    try:
+        yield
+    finally:
+        if not existed and run_dir.is_dir():
+            _remove_empty_folders(run_dir)
+
+
+def _remove_empty_folders(root: Path) -> None:
+    for folder, _subfolders, _files in os.walk(root, topdown=False):
+        with contextlib.suppress(OSError):  # not empty: a file was written, keep it
+            os.rmdir(folder)
 
 
 # ---------------------------------------------------------------------------- a run's own record

@@ -119,6 +119,7 @@ def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a folder; give the run folder a training run wrote (runs/<name>)")
+    check_not_a_parent_of_runs(run_dir)
     missing: list[str] = []
     config = _read_json(run_dir / "config.json", missing, "the layout is unknown, layout-specific sections are skipped")
     records = read_metrics(run_dir / "metrics.jsonl", missing)
@@ -128,6 +129,19 @@ def load_run(run_dir: str | Path) -> RunData:
         missing.append(f"prediction.json: {prediction['error']}")
         prediction = {}
     return RunData(run_dir, config, records, prediction, _read_pipeline(run_dir, missing), missing)
+
+
+def check_not_a_parent_of_runs(folder: Path) -> None:
+    """Refuse a folder that holds run folders but is not a run itself (runs/ rather than runs/<name>)."""
+    from ..job.rundir import looks_like_run
+
+    if looks_like_run(folder):
+        return
+    runs = sorted(p.name for p in folder.iterdir() if p.is_dir() and looks_like_run(p))
+    if runs:
+        shown = ", ".join(runs[:5]) + (", ..." if len(runs) > 5 else "")
+        raise ReportError(f"{folder} holds {len(runs)} run folder(s) ({shown}), not a run; report one of them, "
+                          f"e.g. fivefold report {folder / runs[-1]}")
 
 
 def _read_pipeline(run_dir: Path, missing: list[str]) -> list | None:
