@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .job.cluster import adopt_slurm_environment, job_world_size, where_prefix
+from .job.rundir import check_resume_or_overwrite
 from .config import Config, ConfigError, Layout, preset_names, with_overrides
 from .rules.layout import LayoutError, config_from_args, layout_overrides, validate
 
@@ -47,6 +48,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     adopt_slurm_environment()  # srun tasks join one job like torchrun's workers
     if args.world_size is not None and args.world_size < 1:
         raise CliError(f"--world-size={args.world_size} must be at least 1 (the number of processes for --layout auto)")
+    check_resume_or_overwrite(args.resume, args.overwrite)  # before either reads or deletes the folder
     config = train_config(args, overrides)
     if args.run_dir:
         config = config.replace(train=_replace(config.train, run_dir=args.run_dir))

@@ -196,10 +196,14 @@ def _empty(run_dir: Path, entries: list[str]) -> None:
             path.unlink()
 
 
-def check_contents(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a folder holding something unless the run continues it; --overwrite empties a previous run."""
+def check_resume_or_overwrite(resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise RunFolderError("--resume continues the run in --run-dir and --overwrite deletes it; give only one")
+
+
+def check_contents(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a folder holding something unless the run continues it; --overwrite empties a previous run."""
+    check_resume_or_overwrite(resume, overwrite)
     entries = existing_entries(run_dir)
     if not entries or resume:
         return
