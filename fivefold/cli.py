@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .job.cluster import adopt_slurm_environment, job_world_size, where_prefix
 from .job.rundir import check_resume_or_overwrite
-from .config import Config, ConfigError, Layout, preset_names, with_overrides
+from .config import DEVICES, Config, ConfigError, Layout, preset_names, with_overrides
 from .rules.layout import LayoutError, config_from_args, layout_overrides, validate
 
 
@@ -157,7 +157,7 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str], argv: list[str]
 
     check_sampling_args(args.max_new_tokens, args.temperature, args.seed)
 
-    print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.device))
     return 0
 
 
@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", choices=DEVICES, default="cpu", help="where to sample (auto: the GPU when there is one)")
     gen.set_defaults(func=cmd_generate)
 
     plan = sub.add_parser("plan", help="predict memory, time and communication of layouts", add_help=False)

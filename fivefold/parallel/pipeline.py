@@ -476,7 +476,7 @@ class PipelineRunner:
         st = self._start(micro_batches)
         self._execute(self.steps, st, training=True)
         self._finish(st)
-        return st.loss_sum.cpu(), st.aux_sum.cpu()
+        return st.loss_sum, st.aux_sum  # on the device: the step reads them once, after reporting
 
     @torch.no_grad()
     def evaluate(self, micro_batches: list) -> torch.Tensor:
@@ -484,7 +484,7 @@ class PipelineRunner:
         st = self._start(micro_batches)
         self._execute(self.eval_steps, st, training=False)
         self._finish(st)
-        return st.loss_sum.cpu()
+        return st.loss_sum
 
     # -------------------------------------------------------------------------- execution
 
@@ -497,7 +497,7 @@ class PipelineRunner:
         device = self.device
         zero = torch.zeros((), dtype=torch.float64, device=device)
         if self.recorder is not None:
-            comm.all_reduce(torch.zeros(1), self.mesh.pp)  # line the stages up: a common time zero
+            comm.all_reduce(torch.zeros(1, device=device), self.mesh.pp)  # line the stages up: a common time zero
             self.recorder.start()
         return _StepState(list(micro_batches), zero.clone(), zero.clone())
 
