@@ -204,7 +204,7 @@ def _progress(enabled: bool, total: int):
     )
 
 
-def add_train_task(progress, total: int, start: int):
+def add_train_task(progress: Any, total: int, start: int) -> Any:
     """The bar of steps start..total; its loss reads "-" until the first step has one."""
     return progress.add_task("train", total=total, completed=start, loss="-", tps=0.0)
 
