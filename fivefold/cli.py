@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 from .job.cluster import adopt_slurm_environment, job_world_size, where_prefix
-from .config import DEVICES, Config, ConfigError, preset_names
-from .rules.layout import LayoutError, config_from_args, validate  # noqa: F401 (config_from_args: the CLI's API)
+from .job.rundir import check_resume_or_overwrite
+from .config import DEVICES, Config, ConfigError, Layout, preset_names, with_overrides
+from .rules.layout import LayoutError, config_from_args, layout_overrides, validate
 
 
 class CliError(Exception):
@@ -47,7 +48,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     adopt_slurm_environment()  # srun tasks join one job like torchrun's workers
     if args.world_size is not None and args.world_size < 1:
         raise CliError(f"--world-size={args.world_size} must be at least 1 (the number of processes for --layout auto)")
-    config = config_from_args(args.config, args.layout, overrides)
+    check_resume_or_overwrite(args.resume, args.overwrite)  # before either reads or deletes the folder
+    config = train_config(args, overrides)
     if args.run_dir:
         config = config.replace(train=_replace(config.train, run_dir=args.run_dir))
     if args.resume:
@@ -55,18 +57,36 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
     if args.layout == "auto":
         config = choose_layout_automatically(config, args.world_size or job_world_size())
     config = validate(config)  # before any process starts
-    from .run import RunError, check_machine, new_run_dir, run_training
+    from .job.rundir import removed_if_left_empty
+    from .run import RunError, check_machine, check_steps_left, new_run_dir, run_training
 
+    run_dir = new_run_dir(config)
     try:
-        check_machine(config)
-        under_torchrun = "RANK" in os.environ
-        if config.layout.world_size > 1 and not under_torchrun:
-            return launch_training(config, args, argv, new_run_dir(config))
-        run_training(config, overwrite=args.overwrite)
+        with removed_if_left_empty(run_dir):  # a refused run leaves no folder behind
+            check_steps_left(config)
+            check_machine(config)
+            under_torchrun = "RANK" in os.environ
+            if config.layout.world_size > 1 and not under_torchrun:
+                return launch_training(config, args, argv, run_dir)
+            run_training(config, run_dir, overwrite=args.overwrite)
     except RunError as err:
         print(f"fivefold: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def train_config(args: argparse.Namespace, overrides: list[str]) -> Config:
+    """The config `train` runs: the preset or TOML file of --config (default small), except that
+    --resume without --config continues the run folder's own saved config. The --layout string
+    and dotted overrides apply on top; a --layout string describes the whole layout, as it does
+    over a preset, while --layout.KEY changes one key of the saved layout."""
+    from .job.rundir import saved_run_config
+
+    saved = saved_run_config(Path(args.run_dir)) if args.resume and args.run_dir and args.config is None else None
+    if saved is None:
+        return config_from_args(args.config, args.layout, overrides)
+    layout = layout_overrides(args.layout)
+    return with_overrides(saved.replace(layout=Layout()) if layout else saved, layout + overrides)
 
 
 def launch_training(config: Config, args: argparse.Namespace, argv: list[str], run_dir: Path) -> int:
@@ -212,8 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--resume", action="store_true",
-        help="continue from the newest complete checkpoint of --run-dir (start fresh if there is none); "
-        "checkpoints are written every --checkpoint.interval steps",
+        help="continue from the newest complete checkpoint of --run-dir (start fresh if there is none) with "
+        "the run's own saved config unless --config is given; checkpoints are written every "
+        "--checkpoint.interval steps",
     )
     train.set_defaults(func=cmd_train)
 

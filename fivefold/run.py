@@ -32,7 +32,15 @@ from .observe.metrics import (
 )
 from .parallel import comm
 from .observe.prediction import check_drift, write_prediction
-from .job.rundir import RunLock, atomic_write, claim, continues_a_checked_job, default_run_dir, write_json
+from .job.rundir import (
+    RunFolderError,
+    RunLock,
+    claim,
+    continues_a_checked_job,
+    default_run_dir,
+    supersede_metrics,
+    write_json,
+)
 from .observe.timeline import trace_step
 from .rules.flops import model_flops_per_token
 from .rules.params import total_params
@@ -189,7 +197,7 @@ def _progress(enabled: bool, total: int):
         TextColumn("[bold]train"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("loss {task.fields[loss]}"),  # text: "-" until the first step has a loss
         TextColumn("{task.fields[tps]:,.0f} tok/s"),
         TimeRemainingColumn(),
         disable=not enabled,
@@ -197,18 +205,44 @@ def _progress(enabled: bool, total: int):
     )
 
 
+def add_train_task(progress: Any, total: int, start: int) -> Any:
+    """The bar of steps start..total; its loss reads "-" until the first step has one."""
+    return progress.add_task("train", total=total, completed=start, loss="-", tps=0.0)
+
+
 def resume_step(model, config: Config, run_dir: Path) -> int:
-    """With checkpoint.resume, load the newest usable checkpoint of the run; the step to start at."""
+    """With checkpoint.resume, load the newest usable checkpoint of the run; the step to start at.
+
+    The metrics rows of the steps from there on are dropped: they are trained again (a run that
+    stopped or crashed after its last checkpoint), and metrics.jsonl never repeats a step.
+    """
     if not config.checkpoint.resume:
         return 0
-    from .checkpoint import checkpoint_root, list_checkpoints, resume_latest, step_dir
+    from .checkpoint import checkpoint_root, resume_newest
 
     root = checkpoint_root(run_dir)
-    found = bool(list_checkpoints(root))  # resume_latest loads one of them or raises
-    step = resume_latest(model, root)
+    step, loaded = resume_newest(model, root)
     if model.mesh.rank == 0:  # step 0 is a checkpoint too: the weights `convert import` wrote
-        print(f"resuming at step {step} from {step_dir(root, step)}" if found else f"no checkpoint in {root}: starting at step 0")
+        print(f"resuming at step {step} from {loaded}" if loaded else f"no checkpoint in {root}: starting at step 0")
+        dropped = supersede_metrics(run_dir, step)
+        if dropped:
+            print(f"note: {dropped} metrics.jsonl rows of steps from {step} on are superseded by this run")
     return step
+
+
+def check_steps_left(config: Config) -> None:
+    """Refuse to resume a run whose weights already hold train.steps steps: it would train nothing
+    (or, without a checkpoint, train again from step 0) and log its steps a second time."""
+    if not config.checkpoint.resume or not config.train.run_dir:
+        return
+    from .checkpoint import steps_trained
+
+    done = steps_trained(Path(config.train.run_dir))
+    if done and done >= config.train.steps:
+        raise RunFolderError(
+            f"the run in {config.train.run_dir} has finished {done} steps (train.steps={config.train.steps}); "
+            f"to continue it give --train.steps N with N larger than {done}"
+        )
 
 
 def checkpoint_due(config: Config, steps_done: int) -> bool:
@@ -278,7 +312,7 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
     peak = peak_flops_for_log(DTYPES[config.train.dtype], model.device, model.mesh.world_size)  # ~0.2 s, once
     device = model.device
     profiler = StepProfiler(config.train.profile, run_dir, model.mesh.rank, device, config.train.steps)
-    task = progress.add_task("train", total=config.train.steps, completed=start, loss=float("nan"), tps=0.0)
+    task = add_train_task(progress, config.train.steps, start)
     try:
         traced_step = min(max(start, 2), config.train.steps - 1) if config.train.trace else -1  # after warm-up
         for step in range(start, config.train.steps):
@@ -293,7 +327,7 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
             check_finite(record, config, run_dir)
             if prediction is not None:
                 check_drift(prediction, records, config.train.drift_margin, config.train.steps - start)
-            progress.update(task, advance=1, loss=result.loss, tps=record["tokens_per_s"])
+            progress.update(task, advance=1, loss=f"{result.loss:.4f}", tps=record["tokens_per_s"])
             stopping = stop.agreed(model)
             if checkpoint_due(config, step + 1) or stopping:
                 save_step(model, config, run_dir, step + 1)

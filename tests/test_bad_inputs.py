@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", "tiny", "--model.layers", "2", "--train.seq_len", "16", "--train.global_batch", "4",
          "--train.steps", "2", "--train.eval_interval", "0"]
 TRAIN = ["train", *SMALL, "--run-dir", "{d}/new"]
-RESUME = ["train", *SMALL, "--run-dir", "{d}/run", "--resume"]
+# The reference run finished its 2 steps: resuming it asks for one more (a finished run is refused).
+RESUME = ["train", *SMALL, "--run-dir", "{d}/run", "--resume", "--train.steps", "3"]
 PARITY = ["parity", "--config", "tiny", "--model.layers", "2", "--train.seq_len", "16", "--train.global_batch", "4"]
 
 
@@ -285,6 +286,8 @@ CASES: list[Case] = [
     Case("non-empty run folder", [*TRAIN[:-1], "{d}/run"], 2, ("not empty", "--resume", "--overwrite"), run=True, keep="run"),
     Case("run folder is a file", [*TRAIN[:-1], "{d}/f"], 2, ("is a file",), prepare=_write("f", "x")),
     Case("resume and overwrite", [*RESUME, "--overwrite"], 2, ("give only one",), run=True, keep="run"),
+    Case("resume a finished run", ["train", "--run-dir", "{d}/run", "--resume"], 2,
+         ("has finished 2 steps", "--train.steps N with N larger than 2"), run=True, keep="run"),
     Case("overwrite a folder that is no run", [*TRAIN[:-1], "{d}/mine", "--overwrite"], 2, ("does not hold one",),
          prepare=_write("mine/notes.txt", "keep me"), keep="mine"),
     Case("run folder in use", [*RESUME], 2, ("in use by another run", "pid 4242"), run=True, prepare=_hold_lock,

@@ -28,6 +28,7 @@ from .convert import (
     full_state_of_run,
     import_hf,
     newest_weights,
+    steps_trained,
     read_final_weights,
     run_convert_cli,
 )
@@ -36,7 +37,7 @@ from .final import FinalWeightsError, what_is_kept, write_final_weights
 from .format import MANIFEST, checkpoint_root, list_checkpoints, prune, read_manifest, step_dir
 from .reader import CheckpointReader
 from .regions import assemble, clip_to_global
-from .resume import StopRequest, resume_latest, save_checkpoint
+from .resume import StopRequest, resume_latest, resume_newest, save_checkpoint
 from .sets import TensorSet
 from .state import RUNTIME_BUFFERS
 
@@ -45,5 +46,6 @@ __all__ = [
     "IncompatibleCheckpoint", "RunWeights", "ShardSpec", "StopRequest", "TensorSet", "assemble", "checkpoint_root",
     "clip_to_global", "export_hf", "final_weights_of", "find_checkpoint", "full_state_of_run", "import_hf",
     "list_checkpoints", "newest_weights", "prune", "read_final_weights", "read_manifest", "resume_latest",
-    "run_convert_cli", "save_checkpoint", "step_dir", "what_is_kept", "write_final_weights",
+    "resume_newest", "run_convert_cli", "save_checkpoint", "step_dir", "steps_trained", "what_is_kept",
+    "write_final_weights",
 ]

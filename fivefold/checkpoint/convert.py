@@ -147,6 +147,14 @@ def _has_checkpoint_of(path: Path, step: int) -> bool:
     return step_dir(checkpoint_root(path), step).is_dir()
 
 
+def steps_trained(path: Path) -> int:
+    """The steps the newest weights of a run hold (checkpoint or final weights); 0 for a run with neither."""
+    try:
+        return newest_weights(path).step or 0
+    except CheckpointError:
+        return 0
+
+
 def _usable_final_weights(path: Path) -> TensorSet | None:
     """The run's final weights if they and its config.json are there; unusable ones are skipped, said so."""
     try:
@@ -230,7 +238,7 @@ def config_toml(config: Config) -> str:
 def import_hf(hf_dir: Path, run_dir: Path, base: str = "tiny") -> Path:
     """Start a run directory from Hugging Face weights: config.toml + a weights-only step 0.
 
-    `fivefold train --config RUN/config.toml --run-dir RUN --resume` then fine-tunes them
+    `fivefold train --run-dir RUN --resume` (which reads RUN/config.toml) then fine-tunes them
     with a fresh optimizer. The training settings come from the preset `base`.
     """
     from ..config import load_config
@@ -299,6 +307,5 @@ def run_convert_cli(argv: list[str]) -> int:
         print(f"wrote {out} from the {source.describe()} (load with transformers.AutoModelForCausalLM.from_pretrained)")
         return 0
     run_dir = import_hf(Path(args.hf), Path(args.run_dir), args.config)
-    print(f"imported {args.hf} into {run_dir}; fine-tune with: "
-          f"fivefold train --config {run_dir / 'config.toml'} --run-dir {run_dir} --resume")
+    print(f"imported {args.hf} into {run_dir}; fine-tune with: fivefold train --run-dir {run_dir} --resume")
     return 0

@@ -49,11 +49,15 @@ def check_compatible(manifest: dict[str, Any], config: Config, path: Path) -> li
     if diffs:
         raise IncompatibleCheckpoint(f"{path} was saved for a different model ({'; '.join(diffs)})")
     notes = []
-    for section in ("model", "train"):
+    for section in ("model", "train", "checkpoint"):
         old, new = manifest["config"].get(section, {}), config.to_dict()[section]
         notes += [f"{section}.{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items()
-                  if old.get(k) != v and k not in ("name", "run_dir") and not isinstance(v, (list, tuple))]
+                  if old.get(k) != v and k not in NOT_SETTINGS and not isinstance(v, (list, tuple))]
     return notes
+
+
+# Keys that name the run rather than set how it trains (checkpoint.resume is how it was started).
+NOT_SETTINGS = ("name", "run_dir", "resume")
 
 
 def check_model_fits(model: ModelConfig, source: Path) -> None:

@@ -130,7 +130,12 @@ def _data_notes(manifest: dict[str, Any], model: Any, step: int) -> list[str]:
 
 
 def resume_latest(model: Any, root: Path) -> int:
-    """Load the newest usable checkpoint under `root`; return its step (0 if there is none).
+    """Load the newest usable checkpoint under `root`; return its step (0 if there is none)."""
+    return resume_newest(model, root)[0]
+
+
+def resume_newest(model: Any, root: Path) -> tuple[int, Path | None]:
+    """Load the newest usable checkpoint under `root`; return its step and folder ((0, None) if there is none).
 
     A corrupt checkpoint (on any rank) is reported and the previous one tried; a checkpoint
     of another model, or none usable among existing ones, stops the run before it writes.
@@ -141,7 +146,7 @@ def resume_latest(model: Any, root: Path) -> int:
         status, reason, step = _attempt(model, path)
         worst = agree_max(status, model)
         if worst == _OK:
-            return step
+            return step, path
         reason = reason or "unusable on another rank (see its log)"
         if worst == _INCOMPATIBLE:
             raise IncompatibleCheckpoint(reason)
@@ -150,7 +155,7 @@ def resume_latest(model: Any, root: Path) -> int:
             print(f"warning: skipping checkpoint {path.name}: {reason}")
     if candidates:
         raise CheckpointError(f"no usable checkpoint in {root}: " + "; ".join(failures))
-    return 0
+    return 0, None
 
 
 class StopRequest:

@@ -24,10 +24,11 @@ from .schema import (
     merge,
     parse_overrides,
     preset_names,
+    with_overrides,
 )
 
 __all__ = [
     "DEVICES", "MALLOC_SETTINGS", "PRESET_DIR", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "Layout", "ModelConfig", "TrainConfig", "check_values", "config_from_dict", "default_ffn_hidden",
-    "load_config", "merge", "parse_overrides", "preset_names",
+    "load_config", "merge", "parse_overrides", "preset_names", "with_overrides",
 ]

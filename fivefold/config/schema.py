@@ -9,6 +9,7 @@ to a default.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import tomllib
@@ -255,9 +256,16 @@ def _merge_section(section: str, current: Any, values: dict[str, Any]) -> Any:
     for key, value in values.items():
         path = f"{section}.{key}"
         if key not in fields:
-            raise ConfigError(f"unknown key '{path}'; {section} accepts: {', '.join(sorted(fields))}")
+            raise ConfigError(f"unknown key '{path}'{did_you_mean(key, fields, section + '.')}; "
+                              f"{section} accepts: {', '.join(sorted(fields))}")
         updates[key] = _coerce(path, value, fields[key].type)
     return dataclasses.replace(current, **updates)
+
+
+def did_you_mean(name: str, known: typing.Iterable[str], prefix: str = "") -> str:
+    """" (did you mean 'PREFIX+closest'?)" for a misspelled name, or "" when nothing is close."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
 def merge(config: Config, values: dict[str, Any]) -> Config:
@@ -265,7 +273,8 @@ def merge(config: Config, values: dict[str, Any]) -> Config:
     sections = {}
     for section, body in values.items():
         if section not in SECTIONS:
-            raise ConfigError(f"unknown section '{section}'; use one of: {', '.join(SECTIONS)}")
+            raise ConfigError(f"unknown section '{section}'{did_you_mean(section, SECTIONS)}; "
+                              f"use one of: {', '.join(SECTIONS)}")
         if not isinstance(body, dict):
             raise ConfigError(f"'{section}' must be a table of keys, got {body!r}")
         sections[section] = _merge_section(section, getattr(config, section), body)
@@ -317,6 +326,11 @@ def load_config(name_or_path: str | None = "small", overrides: list[str] | None 
     config = Config()
     if name_or_path:
         config = merge(config, load_toml(resolve_preset(name_or_path)))
+    return with_overrides(config, overrides or [])
+
+
+def with_overrides(config: Config, overrides: list[str]) -> Config:
+    """`config` with dotted `section.key=value` overrides applied; every key and value checked."""
     if overrides:
         config = merge(config, parse_overrides(overrides))
     return check_values(config)

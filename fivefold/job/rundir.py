@@ -8,6 +8,8 @@ A run folder holds one run's metrics, checkpoints and final weights. Three rules
 - a folder that already holds something is refused unless the run continues it (`--resume`)
   or replaces it (`--overwrite`, which empties a previous run's folder first, and refuses a
   folder that does not look like a run, so a mistyped `--run-dir ~` deletes nothing);
+- a resumed run continues the folder's own config (config.json, or the config.toml that
+  `convert import` writes) unless `--config` names another;
 - files a reader may open at any time (config.json, an index) are written to a side file,
   flushed to disk, then renamed over the old one: a crash or a full disk leaves the old file
   whole; the final weights, several files, are written whole into a staging folder first and
@@ -18,6 +20,7 @@ Nothing here imports torch, so the launcher checks a folder before it starts any
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -27,7 +30,9 @@ import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+from ..config import Config, config_from_dict, load_config
 
 LOCK_FILE = ".lock"
 RUNS_ROOT = Path("runs")
@@ -191,10 +196,14 @@ def _empty(run_dir: Path, entries: list[str]) -> None:
             path.unlink()
 
 
-def check_contents(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a folder holding something unless the run continues it; --overwrite empties a previous run."""
+def check_resume_or_overwrite(resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise RunFolderError("--resume continues the run in --run-dir and --overwrite deletes it; give only one")
+
+
+def check_contents(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a folder holding something unless the run continues it; --overwrite empties a previous run."""
+    check_resume_or_overwrite(resume, overwrite)
     entries = existing_entries(run_dir)
     if not entries or resume:
         return
@@ -239,3 +248,66 @@ def continues_a_checked_job() -> bool:
     """A worker of a job whose launcher checked the folder, or a torchrun restart of this job."""
     launched = os.environ.get("FIVEFOLD_LAUNCHED") == "1"
     return launched or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(run_dir: Path) -> Iterator[None]:
+    """Around a run: a folder that did not exist before and holds no file afterwards (the run
+    was refused before it wrote anything) is removed, so a refusal leaves nothing behind. A
+    folder that existed before is never touched, and only empty folders are removed (rmdir
+    fails on anything else), so no rank or attempt can delete what another wrote."""
+    run_dir = Path(run_dir)
+    existed = run_dir.exists()
+    try:
+        yield
+    finally:
+        if not existed and run_dir.is_dir():
+            _remove_empty_folders(run_dir)
+
+
+def _remove_empty_folders(root: Path) -> None:
+    for folder, _subfolders, _files in os.walk(root, topdown=False):
+        with contextlib.suppress(OSError):  # not empty: a file was written, keep it
+            os.rmdir(folder)
+
+
+# ---------------------------------------------------------------------------- a run's own record
+
+
+def saved_run_config(run_dir: Path) -> Config | None:
+    """The config the run in `run_dir` was started with: config.json (every run writes it), else the
+    config.toml of `convert import`; None for a folder holding neither."""
+    run_dir = Path(run_dir)
+    saved_json, saved_toml = run_dir / "config.json", run_dir / "config.toml"
+    if saved_json.is_file():
+        try:
+            return config_from_dict(json.loads(saved_json.read_text()))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise RunFolderError(f"{saved_json} is not a run's config ({err}); name the run's settings with "
+                                 "--config PRESET_OR_TOML") from None
+    if saved_toml.is_file():
+        return load_config(str(saved_toml))
+    return None
+
+
+def supersede_metrics(run_dir: Path, start: int) -> int:
+    """Drop the metrics.jsonl rows of steps `start` and later, which a run resumed at `start` trains
+    again: the file never repeats a step. Returns how many rows were dropped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    kept = [line for line in lines if _logged_step(line) is None or _logged_step(line) < start]
+    if len(kept) < len(lines):
+        atomic_write(path, lambda side: side.write_text("".join(kept)))
+    return len(lines) - len(kept)
+
+
+def _logged_step(line: str) -> int | None:
+    """The step of one metrics.jsonl row; None for a line that is not a step record (kept as it is)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None

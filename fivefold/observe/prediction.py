@@ -163,10 +163,18 @@ def summary(prediction: dict[str, Any]) -> str:
     if "error" in prediction:
         return f"planner: {prediction['error']}"
     mem = prediction["memory_bytes"]
-    return (f"planner predicts for this layout on {prediction['hardware']}: {prediction['step_time_s']:.3g} s/step, "
+    return (f"planner predicts for this layout on {_step_time_text(prediction)}, "
             f"{mem['total'] / 2**20:.1f} MiB per device ({mem['model_states'] / 2**20:.1f} MiB model states, "
             f"{mem['activations'] / 2**20:.1f} MiB activations), bytes per step "
             + (", ".join(f"{a} {v:,}" for a, v in prediction["comm_bytes"].items()) or "none"))
+
+
+def _step_time_text(prediction: dict[str, Any]) -> str:
+    """"HARDWARE: T s/step", or for a CPU never calibrated a time marked as the guess it is."""
+    time = f"{prediction['step_time_s']:.3g} s/step"
+    if prediction.get("step_time_calibrated", True):
+        return f"{prediction['hardware']}: {time}"
+    return f"cpu: {time} uncalibrated (often 10-100x off; `fivefold plan --calibrate` measures this CPU)"
 
 
 def write_prediction(config: Config, device: torch.device, run_dir) -> dict[str, Any]:

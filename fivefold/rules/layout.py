@@ -466,6 +466,11 @@ def parse_layout_string(text: str) -> dict[str, str]:
     for part in text.replace(" ", "").split(","):
         if not part:
             continue
+        if "=" not in part and values:  # most likely the rest of a list value, cut at its comma
+            key = list(values)[-1]
+            raise LayoutError(f"layout entry '{part}' has no name: commas separate --layout entries, so a list "
+                              f"such as {key}={values[key]},{part} cannot go inside it; give it on its own "
+                              f"as --layout.{key} {values[key]},{part}")
         if "=" not in part:
             raise LayoutError(f"layout entry '{part}' must look like name=value, e.g. dp=2")
         key, value = part.split("=", 1)
@@ -479,9 +484,13 @@ def parse_layout_string(text: str) -> dict[str, str]:
     return values
 
 
+def layout_overrides(layout: str | None) -> list[str]:
+    """A --layout string as dotted overrides (none for no layout or "auto", which the planner fills)."""
+    if not layout or layout == "auto":
+        return []
+    return [f"layout.{k}={v}" for k, v in parse_layout_string(layout).items()]
+
+
 def config_from_args(config_name: str | None, layout: str | None, overrides: list[str]) -> Config:
     """The config of a command line: a preset or TOML path, a layout string, dotted overrides."""
-    extra = list(overrides)
-    if layout and layout != "auto":
-        extra = [f"layout.{k}={v}" for k, v in parse_layout_string(layout).items()] + extra
-    return load_config(config_name or "small", extra)
+    return load_config(config_name or "small", layout_overrides(layout) + list(overrides))

@@ -22,13 +22,14 @@ loop then sends to report the loss and MoE statistics is left out, as the planne
 Values that only data decide are assumed, as the planner assumes them: every expert receives
 the same number of token-slots (balanced routing, nothing dropped) and every scalar read
 back from a tensor (the loss, the gradient norm) is 0. `DryRunMode` supplies them, and
-`FusedAttentionOnMeta` runs the attention kernel the CPU would run.
+`FusedAttentionOnMeta` runs the attention kernel the CPU would run (in recomputed forwards too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -180,6 +181,30 @@ class FusedAttentionOnMeta(TorchFunctionMode):
             )
             return out
         return func(*args, **kwargs)
+
+
+def fused_attention_in_every_forward(modules: Iterator[torch.nn.Module]) -> None:
+    """Run each module's forward under `FusedAttentionOnMeta`, also when autograd calls it again.
+
+    Activation recomputation runs a checkpointed forward a second time inside the backward,
+    where torch-function modes entered around the step are not active: attention there would
+    take the math kernel, and the checkpoint would refuse its recomputed tensors (other shapes
+    than those the fused kernel saved). Wrapping every forward puts the mode around the
+    recomputed attention too, whichever module (the core, a context-parallel core) calls it.
+    """
+    for module in modules:
+        module.forward = _under_fused_attention(module.forward)
+
+
+def _under_fused_attention(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(mode, FusedAttentionOnMeta) for mode in torch.overrides._get_current_function_mode_stack()):
+            return forward(*args, **kwargs)
+        with FusedAttentionOnMeta():
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _cpu_picks_flash(args: tuple, kwargs: dict) -> bool:
@@ -365,6 +390,7 @@ def run_rank(config: Config, rank: int) -> RankResult:
         mesh = Mesh.build(config.layout, device_type="meta")  # outside the modes: DeviceMesh keeps its rank grid in a real tensor
         with DryRunMode(), FusedAttentionOnMeta():
             model = build(config, mesh, torch.device("meta"))
+            fused_attention_in_every_forward(m for chunk in model.chunks for m in chunk.modules())
             built = time.perf_counter()
             held: list[HeldMemory] = []
             wire: list[dict] = []
@@ -410,6 +436,10 @@ def without_autocast(config: Config) -> tuple[Config, str]:
     note = ("train.dtype=bf16 autocasts over fp32 weights; autocast does not run on the meta device, so the dry "
             "run's activations and tp/pp/cp/ep traffic are fp32 (weights, gradients, optimizer state are as in bf16)")
     return config.replace(train=dataclasses.replace(config.train, dtype="fp32")), note
+
+
+RECOMPUTE_NOTE = ("layout.recompute=full: the dry run counts what the forward saves (each layer's input), not "
+                  "the one layer a recomputation holds during the backward, which the planner adds")
 
 
 def plan(config: Config, hardware: Hardware) -> list[StagePlan]:
@@ -565,7 +595,8 @@ def dry_run(config: Config, world_size: int | None = None, ranks: list[int] | No
     config, note = without_autocast(config)
     config, ranks = prepare(config, world_size, ranks)
     results = [run_rank(config, rank) for rank in ranks]
-    return DryRun(config, hw, plan(config, hw), results, note)
+    notes = [note] + [RECOMPUTE_NOTE if config.layout.recompute == "full" else ""]
+    return DryRun(config, hw, plan(config, hw), results, "; ".join(n for n in notes if n))
 
 
 def run_dryrun_cli(config: Config, world_size: int | None, ranks: list[int] | None, hardware: str) -> int:

@@ -105,13 +105,21 @@ def read_metrics(path: Path, missing: list[str]) -> list[dict[str, Any]]:
         missing.append(f"metrics.jsonl lines {bad} are not step records (a run stopped while writing?): skipped")
     if not records and not bad:
         missing.append("metrics.jsonl holds no steps yet")
-    return records
+    return latest_row_per_step(records)
+
+
+def latest_row_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, in step order: where a resumed run trained a step again (files written
+    before resuming superseded earlier rows), its later row is the one the weights went on from."""
+    by_step = {record["step"]: record for record in records}
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a folder; give the run folder a training run wrote (runs/<name>)")
+    check_not_a_parent_of_runs(run_dir)
     missing: list[str] = []
     config = _read_json(run_dir / "config.json", missing, "the layout is unknown, layout-specific sections are skipped")
     records = read_metrics(run_dir / "metrics.jsonl", missing)
@@ -121,6 +129,19 @@ def load_run(run_dir: str | Path) -> RunData:
         missing.append(f"prediction.json: {prediction['error']}")
         prediction = {}
     return RunData(run_dir, config, records, prediction, _read_pipeline(run_dir, missing), missing)
+
+
+def check_not_a_parent_of_runs(folder: Path) -> None:
+    """Refuse a folder that holds run folders but is not a run itself (runs/ rather than runs/<name>)."""
+    from ..job.rundir import looks_like_run
+
+    if looks_like_run(folder):
+        return
+    runs = sorted(p.name for p in folder.iterdir() if p.is_dir() and looks_like_run(p))
+    if runs:
+        shown = ", ".join(runs[:5]) + (", ..." if len(runs) > 5 else "")
+        raise ReportError(f"{folder} holds {len(runs)} run folder(s) ({shown}), not a run; report one of them, "
+                          f"e.g. fivefold report {folder / runs[-1]}")
 
 
 def _read_pipeline(run_dir: Path, missing: list[str]) -> list | None:
@@ -246,13 +267,28 @@ def throughput_section(run: RunData) -> Section:
         right.set_ylabel("MFU (%)", color="#dd8452")
     else:
         section.notes.append("MFU not logged by this run")
-    predicted = run.prediction.get("tokens_per_s")
+    predicted = drawn_prediction(section, run, "tokens_per_s", "tokens/s")
     if predicted:
         ax.axhline(predicted, color="#4c72b0", linestyle="--", label="planner's tokens/s")
     ax.legend(loc="lower right")
     section.figures.append(Figure("throughput", "tokens/s and MFU per step", _png(fig)))
     section.notes.append("MFU against a matmul peak measured at the start of the run (fivefold/observe/metrics.py)")
     return section
+
+
+def drawn_prediction(section: Section, run: RunData, key: str, unit: str) -> float | None:
+    """The planner's time-based value `key` to draw beside the measured one, or None.
+
+    On a CPU that `fivefold plan --calibrate` never measured the planner's times rest on two
+    rates and defaults and are often 10-100x off: drawn, they would set the chart's scale and
+    flatten the measured curve. They are left out, and the section says so.
+    """
+    predicted = run.prediction.get(key)
+    if predicted and not run.prediction.get("step_time_calibrated", True):
+        section.notes.append(f"the planner's {predicted:.3g} {unit} is not drawn: its step time is uncalibrated "
+                             "on this CPU (`fivefold plan --calibrate` measures it); the chart shows the measurement")
+        return None
+    return predicted
 
 
 def step_time_section(run: RunData) -> Section:
@@ -264,13 +300,13 @@ def step_time_section(run: RunData) -> Section:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5), gridspec_kw={"width_ratios": [2, 1]})
     left.plot(steps, seconds, label="measured")
-    predicted = run.prediction.get("step_time_s")
+    predicted = drawn_prediction(section, run, "step_time_s", "s/step")
     if predicted:
         left.axhline(predicted, color="grey", linestyle="--", label="planner")
     _steps_axis(left)
     left.set_ylabel("seconds per step")
     left.legend()
-    breakdown = run.prediction.get("breakdown_s", {})
+    breakdown = run.prediction.get("breakdown_s", {}) if predicted else {}
     _stack(right, "planner", breakdown, "planner: ")
     phases = _median_phases(run.records)
     if phases:
@@ -286,7 +322,7 @@ def step_time_section(run: RunData) -> Section:
     right.set_ylabel("seconds")
     right.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     section.figures.append(Figure("step_time", "step time: measured and the planner's breakdown", _png(fig)))
-    if not breakdown:
+    if not run.prediction.get("breakdown_s"):
         section.notes.append("no planner breakdown (prediction.json missing)")
     section.notes.append(
         "Measured phases: forward_backward holds compute, tensor/context/expert/pipeline communication and "

@@ -204,6 +204,8 @@ def test_random_rank_killed_five_times_restarts_and_ends_bitwise_like_an_uninter
         killed.append((victim, target))
     assert job.wait() == 0, job.stderr()
     assert job.stderr().count("was killed by SIGKILL") == kills, job.stderr()
+    logged = [json.loads(line)["step"] for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(steps))  # a step trained again after a restart replaces its row
     reference, restarted = final_weights(straight.run_dir), final_weights(job.run_dir)
     assert reference.keys() == restarted.keys()
     for name in reference:

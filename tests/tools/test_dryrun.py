@@ -203,3 +203,18 @@ def test_shard_initialisation_draws_in_proportion_to_the_shard():
     offsets, box = (0, 3 * 16384 // 7), (53248, 16384 // 7)  # a cut that tiles do not align with
     drawn = sum(math.prod(extent) for _, _, extent in tiles(shape, offsets, box))
     assert math.prod(box) < drawn <= math.prod(box) + 2 * 256 * 53248
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recomputation_runs_on_the_meta_device_and_saves_less(recompute):
+    """Recomputation runs the checkpointed forward again inside the backward; there attention must
+    take the same fused kernel as in the forward, or the checkpoint refuses the recomputed tensors."""
+    saved = {}
+    for mode in ("none", recompute):
+        report = _dry_run("tiny", f"tp=2,pp=2,recompute={mode}", 4, "--train.global_batch=4", ranks=[0])
+        saved[mode] = _rows(report, report.results[0])["activations saved"]
+    assert saved[recompute].measured < saved["none"].measured
+    if recompute == "selective":  # the attention core's scores and outputs are no longer saved
+        assert abs(saved[recompute].difference) <= 0.05, (saved[recompute].measured, saved[recompute].planned)
+    else:
+        assert "recompute=full" in report.render()

@@ -303,3 +303,36 @@ def test_plan_search_ends_with_the_rules_of_thumb(tmp_path, capsys):
     explanation = json.loads(capsys.readouterr().out)["explanation"]
     # a small model fits one device: the first rule applies, and the winner either follows it or says why not
     assert "- DP first: followed" in explanation or "- DP first: the model fits one device, yet" in explanation
+
+
+def _uncalibrated_run(calibrated: bool):
+    from fivefold.tools.report import RunData
+
+    records = [{"step": s, "step_seconds": 1.0 + 0.1 * s, "tokens_per_s": 1000.0 - 10 * s} for s in range(4)]
+    prediction = {"hardware": "cpu (rates measured at start)", "step_time_calibrated": calibrated,
+                  "step_time_s": 0.01, "tokens_per_s": 100_000.0,
+                  "breakdown_s": {"compute": 0.008, "optimizer": 0.002}}
+    return RunData(Path("run"), {}, records, prediction, None)
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_an_uncalibrated_step_time_is_marked_and_the_charts_scale_to_the_measurement(calibrated, monkeypatch):
+    """A CPU prediction 100x off: uncalibrated, it is named so and the charts keep the measured scale;
+    calibrated, the same value is a real drift and is drawn."""
+    from fivefold.observe.prediction import summary
+    from fivefold.tools import report
+
+    limits = []
+    monkeypatch.setattr(report, "_png", lambda fig: limits.append(fig.axes[0].get_ylim()) or b"")
+    run = _uncalibrated_run(calibrated)
+    notes = report.step_time_section(run).notes + report.throughput_section(run).notes
+    (time_low, time_high), (tokens_low, tokens_high) = limits
+    if calibrated:  # the prediction's lines are on the charts
+        assert time_low <= 0.01 and tokens_high >= 100_000
+        assert not any("uncalibrated" in n for n in notes)
+    else:  # each chart spans the measured values only
+        assert 0.9 < time_low and time_high < 1.5 and 900 < tokens_high < 1100
+        assert sum("uncalibrated" in n for n in notes) == 2
+    line = summary({**run.prediction, "memory_bytes": {"total": 0, "model_states": 0, "activations": 0},
+                    "comm_bytes": {}})
+    assert ("uncalibrated" in line) != calibrated and "0.01 s/step" in line
