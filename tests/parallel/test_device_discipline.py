@@ -32,7 +32,7 @@ from fivefold.rules.layout import validate
 
 from test_hybrid_matrix import EIGHT_RANKS, FOUR_RANKS
 
-RECOMPUTE = ("none", "none", "none")  # TEMP
+RECOMPUTE = ("none", "selective", "full")
 
 
 class OffDeviceCollectives(TorchDispatchMode):
@@ -81,13 +81,21 @@ def run_on_meta(config, ranks: list[int], folder: Path, monkeypatch) -> dict[int
     """Each rank's whole run on the meta device; the off-device collectives each rank issued."""
     import torch.distributed as dist
 
-    from fivefold.run import run_training
-    from fivefold.tools.dryrun import DryRunMode, FusedAttentionOnMeta, fake_world
+    from fivefold import run
+    from fivefold.tools.dryrun import DryRunMode, FusedAttentionOnMeta, fake_world, fused_attention_in_every_forward
 
+    def build_for_meta(*args):  # noqa: ANN002, ANN202
+        """The run's own build, with the fused attention kernel in recomputed forwards too (see dryrun)."""
+        model = build(*args)
+        fused_attention_in_every_forward(m for chunk in model.chunks for m in chunk.modules())
+        return model
+
+    build, run_training = run.build, run.run_training
     off_device: dict[int, list[str]] = {}
     for rank in ranks:
         with fake_world(config.layout.world_size, rank):
             with DryRunMode(), FusedAttentionOnMeta(), OffDeviceCollectives("meta") as seen:
+                monkeypatch.setattr(run, "build", build_for_meta)
                 monkeypatch.setattr(dist, "all_gather_object", seen.object_collective(dist.all_gather_object))
                 records = run_training(config, folder / f"rank{rank}", show_progress=False, device=torch.device("meta"))
                 monkeypatch.undo()
