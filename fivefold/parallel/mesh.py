@@ -12,17 +12,19 @@ A single-process mesh (`Mesh.single()`) has every axis of size 1 and needs no
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from ..config import Layout
 from ..rules.layout import Coords, coords_to_rank, edp_index, ep_index, group_ranks, rank_to_coords
+from ..rules.p2p_order import P2PGroup
 
 AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
 
@@ -122,6 +124,7 @@ class CommStats:
     buffer: dict[tuple[str, str], int] = field(default_factory=dict)
     calls: dict[tuple[str, str], int] = field(default_factory=dict)
     flight: FlightRecorder = field(default_factory=FlightRecorder)  # not cleared by reset()
+    p2p_groups: list[P2PGroup] | None = None  # filled by comm.send_recv inside `recording_p2p`
 
     def add(self, axis: str, op: str, buffer_bytes: int, wire_bytes: int) -> None:
         key = (axis, op)
@@ -145,6 +148,16 @@ class CommStats:
 
     def snapshot(self) -> dict[str, Any]:
         return {f"{a}/{op}": {"wire": self.wire[(a, op)], "calls": self.calls[(a, op)]} for (a, op) in self.wire}
+
+    @contextlib.contextmanager
+    def recording_p2p(self) -> Iterator[list[P2PGroup]]:
+        """Inside, every batch of point-to-point operations this rank issues is appended to
+        the yielded list, in issue order (for `rules.p2p_order.check_p2p_order`)."""
+        self.p2p_groups = []
+        try:
+            yield self.p2p_groups
+        finally:
+            self.p2p_groups = None
 
 
 @dataclass
