@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from typing import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from fivefold.parallel.pipeline import PipelineRunner, build_stage_chunks
 from fivefold.rules.layout import SCHEDULES, validate
 from fivefold.rules.p2p_order import P2PGroup, check_p2p_order
 from fivefold.tools.dryrun import fake_world
+from fivefold.tools.parity import assert_parity, train_trace
 
 
 class _NoReduction:
@@ -93,3 +95,27 @@ def test_executor_order_cannot_deadlock_when_sends_wait_for_receives(schedule, p
     groups = {rank: _issued_groups(config, rank) for rank in range(pp)}
     assert all(groups.values()), "every pipeline rank transfers something"
     check_p2p_order(groups)  # every send a rendezvous: safe for any boundary size
+
+
+def _train_in_nccl_order(ctx, config: Config, steps: int):
+    """Train `config` on this rank of the (gloo) pool with the runner taking the order it
+    takes under NCCL; returns (trace on rank 0, this rank's point-to-point groups)."""
+    resolved = validate(config, ctx.world_size)
+    mesh = ctx.mesh(resolved.layout)
+    with mock.patch("fivefold.parallel.pipeline._operations_run_independently", return_value=False), \
+            mesh.stats.recording_p2p() as groups:
+        trace = train_trace(resolved, mesh, steps)
+    return (trace if ctx.rank == 0 else None), mesh.rank, groups
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_nccl_order_trains_as_one_process_does(pools, reference, schedule):
+    """The NCCL order run by real processes (gloo): the single-process result, and the
+    groups it issued, over two steps, hold under NCCL's rules."""
+    microbatches, vpp = (4, 2) if schedule == "interleaved" else (3, 1)
+    config = load_config("tiny", ["train.seq_len=16", "layout.pp=2", f"layout.vpp={vpp}",
+                                  f"layout.pp_schedule={schedule}", f"layout.grad_accum={microbatches}",
+                                  f"train.global_batch={2 * microbatches}"])
+    results = pools.run(2, _train_in_nccl_order, config, 2)
+    assert_parity(reference(config, 2), results[0][0])
+    check_p2p_order({rank: groups for _, rank, groups in results})
