@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .job.cluster import adopt_slurm_environment, job_world_size, where_prefix
-from .config import Config, ConfigError, preset_names
+from .config import DEVICES, Config, ConfigError, preset_names
 from .rules.layout import LayoutError, config_from_args, validate  # noqa: F401 (config_from_args: the CLI's API)
 
 
@@ -137,7 +137,7 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str], argv: list[str]
 
     check_sampling_args(args.max_new_tokens, args.temperature, args.seed)
 
-    print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    print(generate_text(args.run, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.device))
     return 0
 
 
@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", choices=DEVICES, default="cpu", help="where to sample (auto: the GPU when there is one)")
     gen.set_defaults(func=cmd_generate)
 
     plan = sub.add_parser("plan", help="predict memory, time and communication of layouts", add_help=False)

@@ -21,7 +21,7 @@ from .data.packing import data_position
 from .rules.precision import PrecisionPolicy
 from .rules.layout import validate
 from .job.malloc import MallocState, apply_malloc
-from .parallel.mesh import Mesh, device_for
+from .parallel.mesh import Mesh, device_for, unavailable_device
 from .observe.metrics import (
     DTYPES,
     StepProfiler,
@@ -43,11 +43,15 @@ from .train import MetricsLog, build, evaluate, step_record, train_step
 PROCESS_GROUP_TIMEOUT_MARGIN_S = 30.0
 
 
-def init_distributed(config: Config) -> tuple[Mesh, torch.device]:
-    """Join the torchrun job (if any) and build the mesh; NCCL on GPUs, gloo on CPUs."""
-    device = device_for(config.train.device)
+def init_distributed(config: Config, device: torch.device | None = None) -> tuple[Mesh, torch.device]:
+    """Join the torchrun job (if any) and build the mesh; NCCL on GPUs, gloo on CPUs.
+
+    `device` replaces train.device's choice: the meta device, under a fake process group
+    that a caller joined (see tests/parallel/test_device_discipline.py).
+    """
+    device = device or device_for(config.train.device)
     if config.layout.world_size == 1:
-        return Mesh.single(config.layout), device
+        return Mesh.single(config.layout, device.type), device
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -63,7 +67,9 @@ class RunError(RuntimeError):
 
 
 @contextlib.contextmanager
-def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, torch.device]]:
+def distributed_job(
+    config: Config, flight_dir: Path, device: torch.device | None = None
+) -> Iterator[tuple[Mesh, torch.device]]:
     """Join the job, watch its collectives, and leave it cleanly.
 
     The watchdog writes its flight record to $FIVEFOLD_FLIGHT_DIR when the launcher set it,
@@ -78,7 +84,7 @@ def distributed_job(config: Config, flight_dir: Path) -> Iterator[tuple[Mesh, to
     the caller's to keep: only one this call joined is destroyed.
     """
     owns_process_group = not dist.is_initialized()
-    mesh, device = init_distributed(config)
+    mesh, device = init_distributed(config, device)
     if not mesh.is_distributed:
         yield mesh, device
         return
@@ -132,9 +138,10 @@ def check_machine(config: Config) -> None:
     is a run that could never start, not a guess.
     """
     device = config.train.device
-    if device == "cuda" and not torch.cuda.is_available():
-        build = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-        raise RunError(f"train.device=cuda but {build} (torch {torch.__version__}); use train.device=cpu or auto")
+    missing = unavailable_device(device)
+    if missing:
+        raise RunError(f"train.device={device} but {missing}; use train.device=cpu or auto")
+    check_gpus_per_host(config)
     machines = max(int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
     params = total_params(config.model)
     policy = PrecisionPolicy.from_train(config.train)  # the run's own bytes per parameter
@@ -147,6 +154,26 @@ def check_machine(config: Config) -> None:
             f"model.num_experts={m.num_experts}) has {params:,} parameters; their weights, gradients and "
             f"optimizer state ({policy.name}) need {_gb(needed)}, but {machines} machine(s) with {_gb(available)} of {what} each "
             "cannot hold them; choose a smaller model"
+        )
+
+
+def ranks_on_this_host(config: Config) -> int:
+    """Ranks of the job that run on this machine: torchrun's per-node count when it started us,
+    else every rank of the layout (the built-in launcher starts them all here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", config.layout.world_size))
+
+
+def check_gpus_per_host(config: Config) -> None:
+    """Each rank of a GPU run needs a GPU of its own: NCCL cannot put two ranks on one device,
+    and rank r on a host uses cuda:r (LOCAL_RANK), which must exist."""
+    if device_for(config.train.device).type != "cuda":
+        return
+    ranks, gpus = ranks_on_this_host(config), torch.cuda.device_count()
+    if ranks > gpus:
+        raise RunError(
+            f"the layout runs {ranks} ranks on this machine but it has {gpus} GPU(s), and each rank needs "
+            f"its own GPU (NCCL cannot share one); use --train.device cpu, or a layout of at most {gpus} "
+            "ranks per machine"
         )
 
 
@@ -307,18 +334,20 @@ def record_malloc(run_dir: Path, state: MallocState, mesh: Mesh) -> None:
 
 
 def run_training(
-    config: Config, run_dir: Path | None = None, show_progress: bool = True, overwrite: bool = False
+    config: Config, run_dir: Path | None = None, show_progress: bool = True, overwrite: bool = False,
+    device: torch.device | None = None,
 ) -> list[dict]:
     """Train `config` on this process's part of the layout; returns the per-step records.
 
     `overwrite` replaces a previous run in `run_dir`; without it (or checkpoint.resume) a
-    folder that holds anything is refused.
+    folder that holds anything is refused. `device` replaces train.device's choice (see
+    `init_distributed`).
     """
     config = validate(config, int(os.environ.get("WORLD_SIZE", config.layout.world_size)))
     check_machine(config)
     malloc = apply_malloc(config.train.malloc)  # before the model and the data are allocated
     run_dir = Path(run_dir or new_run_dir(config))
-    with distributed_job(config, run_dir / "flight_records") as (mesh, device):
+    with distributed_job(config, run_dir / "flight_records", device) as (mesh, device):
         lock = claim_run_dir(run_dir, config, mesh, device, overwrite)
         try:
             return _train_in(config, run_dir, mesh, device, malloc, show_progress)

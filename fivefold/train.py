@@ -57,12 +57,15 @@ def local_micro_batches(model: ParallelModel, sampler: Sampler, step: int) -> li
 
 
 def forward_backward(model: ParallelModel, batches: list[MicroBatch], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradient accumulation without a pipeline. Returns this rank's (loss sum, aux sum), detached."""
+    """Gradient accumulation without a pipeline. Returns this rank's (loss sum, aux sum), detached.
+
+    The sums stay on the device (no host sync per micro-batch); the step reads them once,
+    after its one reporting collective (`_report_sums`)."""
     train = model.config.train
     tokens, sequences = token_scale(train), sequence_scale(train)
     chunk = model.chunks[0]
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    aux_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    aux_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(batches):
         last = i == len(batches) - 1
         sync = contextlib.nullcontext() if last else model.optimizer.no_sync()
@@ -73,9 +76,9 @@ def forward_backward(model: ParallelModel, batches: list[MicroBatch], device: to
             loss = ce * tokens
             if aux is not None:
                 loss = loss + aux * sequences
-                aux_sum += aux.detach().double().cpu()
+                aux_sum += aux.detach().double()
             loss.backward()
-        loss_sum += ce.detach().double().cpu()
+        loss_sum += ce.detach().double()
     return loss_sum, aux_sum
 
 
@@ -227,7 +230,7 @@ def evaluate(model: ParallelModel, data: TokenData, batches: int) -> float:
     train = model.config.train
     sampler = data.validation_sampler(train.seq_len, train.global_batch, train.seed + 1)
     device = model.device
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for step in range(batches):
         mbs = local_micro_batches(model, sampler, step)
         if model.runner is not None:
@@ -236,7 +239,7 @@ def evaluate(model: ParallelModel, data: TokenData, batches: int) -> float:
             for mb in mbs:
                 with autocast_for(model.config, device):
                     logits, _ = model.chunks[0](mb.inputs, mb.positions, mb.documents)
-                    total += model.loss_fn(logits, mb.targets).double().cpu()
+                    total += model.loss_fn(logits, mb.targets).double()
     owns = model.is_last_stage and model.mesh.tp.rank == 0
     return _report_sum(total, model.mesh, owns) / (batches * train.global_batch * train.seq_len)
 

@@ -106,7 +106,7 @@ def per_rank_values(values: list[float], mesh) -> list[list[float]]:
     """Every rank's `values` (the same length on each rank), gathered in rank order on the world axis."""
     from ..parallel import comm
 
-    mine = torch.tensor([values], dtype=torch.float64)  # (1, k)
+    mine = torch.tensor([values], dtype=torch.float64, device=mesh.world.device_type)  # (1, k), where the world's collectives run
     if mesh.world_size == 1:
         return mine.tolist()
     return comm.all_gather(mine, mesh.world, dim=0).tolist()  # (world, k)

@@ -113,9 +113,9 @@ def gather_rows(timeline: Timeline, axis) -> list[list[Event]]:
     """Every rank of `axis` (a mesh Axis) gets every rank's events, in axis order."""
     from ..parallel import comm
 
-    count = torch.tensor([float(len(timeline.events))], dtype=torch.float64)
+    count = torch.tensor([float(len(timeline.events))], dtype=torch.float64, device=axis.device_type)
     comm.all_reduce(count, axis, op="max")
-    packed = to_tensor(timeline.events, int(count.item()))  # (rows, 5)
+    packed = to_tensor(timeline.events, int(count.item())).to(axis.device_type)  # (rows, 5), where the axis's collectives run
     gathered = comm.all_gather(packed, axis, dim=0)  # (size * rows, 5)
     return [from_tensor(part) for part in gathered.chunk(axis.size, dim=0)]
 

@@ -252,7 +252,7 @@ def check_replicas_identical(buckets: list[FlatBucket]) -> None:
         if axis.size == 1:
             continue
         prints = torch.stack([_fingerprint(seg.param.data) for seg in segments]).reshape(-1)
-        both = torch.cat([prints, -prints]).cpu()
+        both = torch.cat([prints, -prints])  # on the parameters' device: where the axis's collectives run
         comm.all_reduce(both, axis, op="max")
         high, low = both[: prints.numel()], -both[prints.numel() :]
         differs = (high != low).reshape(len(segments), 2).any(dim=1)

@@ -12,6 +12,11 @@ Wire bytes per rank (n = group size, B = full buffer bytes):
 all-reduce 2(n-1)/n B; all-gather and reduce-scatter (n-1)/n B; all-to-all the bytes
 sent to other ranks; point-to-point the bytes sent.
 
+Every tensor handed to a collective must live on the mesh's device type (`Axis.device_type`,
+the model's): NCCL refuses host tensors ("No backend type associated with device type cpu"),
+gloo takes them. The check runs on every backend, so a host tensor that would stop a GPU job
+fails here on a laptop too, naming the axis, the operation and the device.
+
 Every collective is also logged in the mesh's flight recorder (`CommStats.flight`): axis,
 op, sequence number on that axis, bytes, start time and whether it completed. A
 `CollectiveWatchdog` thread per rank ends the rank with a flight record on disk when one
@@ -43,6 +48,21 @@ PEER_LOST_EXIT = 76  # exit status of a rank whose collective failed because a p
 FLIGHT_DIR_ENV = "FIVEFOLD_FLIGHT_DIR"  # set by fivefold.job.launch: where this attempt's ranks write flight records
 
 
+class CollectiveDeviceError(RuntimeError):
+    """A tensor handed to a collective does not live where the mesh's collectives run."""
+
+
+def _on_mesh_device(axis: Axis, op: str, *tensors: torch.Tensor) -> None:
+    """Refuse a tensor off the mesh's device type before it reaches the backend (one string
+    comparison per tensor: always on)."""
+    for t in tensors:
+        if t.device.type != axis.device_type:
+            raise CollectiveDeviceError(
+                f"{op} on axis {axis.name}: a tensor on {t.device}, but this mesh's collectives run on "
+                f"{axis.device_type} (NCCL takes only GPU tensors); create it on the model's device"
+            )
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -72,11 +92,41 @@ class _RecordedWork:
         return getattr(self._work, name)
 
 
+class _DeviceDone:
+    """Completion of a blocking collective as the device sees it.
+
+    On a GPU a blocking call returns once the collective is queued on the stream (NCCL runs
+    it later): an event recorded right after it completes only when the collective has. The
+    watchdog's sweep asks the event, so a collective stuck on the GPU stays in flight in the
+    record and the hang report names it (not whatever the host reached next)."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def is_completed(self) -> bool:
+        return bool(self._event.query())
+
+
+def device_completion_event(device_type: str) -> Any:
+    """An event recorded on the current stream of `device_type`, or None where a call that
+    returned has completed (CPU, meta)."""
+    if device_type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def _landed(axis: Axis, record: CollectiveRecord, work: Any) -> Any:
     """Hand the collective's outcome to the flight recorder: done for a blocking call (`work`
-    is None), to be swept or waited for async work. Returns the handle to wait on."""
-    axis.stats.flight.issued_async(record, [] if work is None else [work])
-    return None if work is None else _RecordedWork(work, record, axis)
+    is None) on the host, done when the device gets past it on a GPU, to be swept or waited
+    for async work. Returns the handle to wait on."""
+    if work is None:
+        event = device_completion_event(axis.device_type)
+        axis.stats.flight.issued_async(record, [] if event is None else [_DeviceDone(event)])
+        return None
+    axis.stats.flight.issued_async(record, [work])
+    return _RecordedWork(work, record, axis)
 
 
 def _emulates_sharded_collectives(axis: Axis) -> bool:
@@ -122,6 +172,7 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, op: str = "sum", async_op: bool
     if axis.size == 1:
         return None
     n = axis.size
+    _on_mesh_device(axis, "all_reduce", tensor)
     record = _record(axis, "all_reduce", _nbytes(tensor), 2 * (n - 1) * _nbytes(tensor) // n)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = _landed(axis, record, dist.all_reduce(tensor, op=reduce_op, group=axis.group, async_op=async_op))
@@ -166,6 +217,7 @@ def all_gather(tensor: torch.Tensor, axis: Axis, dim: int = 0, async_op: bool = 
     if axis.size == 1:
         return (tensor, None) if async_op else tensor
     n = axis.size
+    _on_mesh_device(axis, "all_gather", tensor)
     # The collective concatenates along dim 0: gather with `dim` moved to the front, into
     # one buffer whose view with `dim` moved back is the result (no copy after the gather).
     local = tensor.movedim(dim, 0).contiguous()
@@ -188,6 +240,7 @@ def all_gather_into(out: torch.Tensor, local: torch.Tensor, axis: Axis, async_op
     if n == 1:
         out.copy_(local.reshape(out.shape))
         return None
+    _on_mesh_device(axis, "all_gather", out, local)
     record = _record(axis, "all_gather", _nbytes(out), (n - 1) * _nbytes(local))
     if not _emulates_sharded_collectives(axis):
         work = dist.all_gather_single(out, local.contiguous(), group=axis.group, async_op=async_op)
@@ -254,6 +307,9 @@ def reduce_scatter_into(
         if out.data_ptr() != full.data_ptr():
             out.copy_(full.reshape(out.shape))
         return None
+    _on_mesh_device(axis, "reduce_scatter", out, full)
+    if scratch is not None:
+        _on_mesh_device(axis, "reduce_scatter", scratch)
     record = _record(axis, "reduce_scatter", _nbytes(full), (n - 1) * _nbytes(out))
     if _emulates_sharded_collectives(axis) and n == 2:
         return _reduce_scatter_by_exchange(out, full, axis, record, async_op, scratch)
@@ -307,6 +363,7 @@ def broadcast(tensor: torch.Tensor, axis: Axis, src_group_rank: int = 0) -> torc
     if axis.size == 1:
         return tensor
     n = axis.size
+    _on_mesh_device(axis, "broadcast", tensor)
     record = _record(axis, "broadcast", _nbytes(tensor), (n - 1) * _nbytes(tensor) // n)
     _landed(axis, record, dist.broadcast(tensor, src=axis.global_rank(src_group_rank), group=axis.group))
     return tensor
@@ -329,6 +386,7 @@ def all_to_all(
     if axis.size == 1:
         return tensor
     n = axis.size
+    _on_mesh_device(axis, "all_to_all", tensor)
     tensor = tensor.contiguous()
     if send_splits is None:
         if tensor.shape[0] % n:
@@ -359,6 +417,7 @@ def send_recv(
     batch is one flight record, finished when all its handles are complete, and one group
     of `CommStats.recording_p2p` when that is on (peers as global ranks).
     """
+    _on_mesh_device(axis, op_name, *(t for t, _ in (*sends, *recvs)))
     if axis.stats.p2p_groups is not None and (sends or recvs):
         axis.stats.p2p_groups.append(tuple(
             [P2POp("send", axis.global_rank(peer), _nbytes(t)) for t, peer in sends]

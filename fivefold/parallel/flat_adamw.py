@@ -202,7 +202,7 @@ def squared_grad_sum(
     whole reduction); the partial sums are then added in float64. With `divide=False` each
     element counts once here (`holds_every_gradient`: the sum is the whole norm, not a share).
     """
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=mesh.world.device_type)  # summed over the world next
     for bucket, grad, (lo, hi) in zip(buckets, grads, ranges):
         if grad is None:
             continue

@@ -170,6 +170,7 @@ class Axis:
     rank: int
     ranks: list[int]  # global ranks of the group, in group order
     stats: CommStats
+    device_type: str = "cpu"  # where the tensors of its collectives live: "cuda" under NCCL, "meta" in a dry run
 
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
@@ -246,19 +247,28 @@ class Mesh:
     def rank_of(self, coords: Coords) -> int:
         return coords_to_rank(coords, self.layout)
 
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's model lives on (for CUDA: the current GPU, which the job set)."""
+        return torch.device(self.world.device_type)
+
     @classmethod
-    def single(cls, layout: Layout | None = None) -> "Mesh":
+    def single(cls, layout: Layout | None = None, device_type: str = "cpu") -> "Mesh":
         """A mesh for one process: every axis has size 1 and no group."""
         layout = layout or Layout()
         if layout.world_size != 1:
             raise ValueError(f"Mesh.single() needs a layout of world size 1, got {layout.world_size}")
         stats = CommStats()
-        axes = {name: Axis(name, None, 1, 0, [0], stats) for name in AXES}
+        axes = {name: Axis(name, None, 1, 0, [0], stats, device_type) for name in AXES}
         return cls(layout, axes, None, stats)
 
     @classmethod
     def build(cls, layout: Layout, device_type: str = "cpu") -> "Mesh":
-        """Create every group of `layout`; must be called by all ranks of the default group."""
+        """Create every group of `layout`; must be called by all ranks of the default group.
+
+        `device_type` is where the model and every tensor handed to a collective live (the
+        model's device type); comm.py refuses a tensor anywhere else.
+        """
         if layout.world_size == 1:
             return cls.single(layout)
         if not dist.is_initialized():
@@ -268,8 +278,10 @@ class Mesh:
             raise ValueError(f"layout needs {layout.world_size} processes, the job has {world}")
         from torch.distributed.device_mesh import init_device_mesh
 
+        # A meta model's mesh keeps its rank grid on the host: torch's DeviceMesh needs real values.
         device_mesh = init_device_mesh(
-            device_type, (layout.pp, layout.dp, layout.cp, layout.tp), mesh_dim_names=("pp", "dp", "cp", "tp")
+            "cpu" if device_type == "meta" else device_type, (layout.pp, layout.dp, layout.cp, layout.tp),
+            mesh_dim_names=("pp", "dp", "cp", "tp"),
         )
         stats = CommStats()
         rank = dist.get_rank()
@@ -277,6 +289,8 @@ class Mesh:
         for name in ("dp_cp", "ep", "edp", "pp_ends"):
             axes[name] = _derived_axis(layout, name, rank, stats)
         axes["world"] = Axis("world", dist.group.WORLD, world, rank, list(range(world)), stats)
+        for axis in axes.values():
+            axis.device_type = device_type
         return cls(layout, axes, device_mesh, stats)
 
 
@@ -301,6 +315,14 @@ def _derived_axis(layout: Layout, name: str, rank: int, stats: CommStats) -> Axi
     return Axis(name, group, len(mine), mine.index(rank), mine, stats)
 
 
+def unavailable_device(preference: str) -> str | None:
+    """Why the device `preference` names cannot be used here, or None when it can."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        build = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        return f"{build} (torch {torch.__version__})"
+    return None
+
+
 def device_for(preference: str = "auto") -> torch.device:
     """The device a rank computes on: CUDA (its local GPU) when available and wanted, else CPU."""
     import os
@@ -311,4 +333,5 @@ def device_for(preference: str = "auto") -> torch.device:
     return torch.device("cuda", local)
 
 
-__all__ = ["Axis", "CollectiveRecord", "CommStats", "FlightRecorder", "Mesh", "device_for", "ep_index", "edp_index"]
+__all__ = ["Axis", "CollectiveRecord", "CommStats", "FlightRecorder", "Mesh", "device_for", "ep_index", "edp_index",
+           "unavailable_device"]

@@ -215,7 +215,7 @@ def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> t
             continue
         r = replica_count(get_placement(param, name), mesh)
         local += squared_sum(param.grad.detach()) / r
-    total = torch.tensor(local, dtype=torch.float64)
+    total = torch.tensor(local, dtype=torch.float64, device=mesh.world.device_type)
     if mesh.world.size > 1:
         comm.all_reduce(total, mesh.world)
     return total.sqrt()

@@ -19,7 +19,7 @@ Executor
       posted at its place in the table, in the table's batches, where a send sits in the
       same batch as the receives it meets. The tables are checked under exactly those rules
       (`schedules.simulate`), and so is the order the runner issues
-      (`rules.p2p_order.check_p2p_order`, tests/parallel/test_p2p_order.py).
+      (`rules.p2p_order.check_p2p_order`, tests/parallel/test_pipeline_p2p_order.py).
     - gloo runs each operation on its own, each with its own handle: one waiting for its
       peer holds up nothing else. There a send is posted as soon as its tensor exists (the
       peer's receive then never waits for this rank to finish a later compute) and the next
@@ -488,7 +488,7 @@ class PipelineRunner:
         st = self._start(micro_batches)
         self._execute(self.steps, st, training=True)
         self._finish(st)
-        return st.loss_sum.cpu(), st.aux_sum.cpu()
+        return st.loss_sum, st.aux_sum  # on the device: the step reads them once, after reporting
 
     @torch.no_grad()
     def evaluate(self, micro_batches: list) -> torch.Tensor:
@@ -496,7 +496,7 @@ class PipelineRunner:
         st = self._start(micro_batches)
         self._execute(self.eval_steps, st, training=False)
         self._finish(st)
-        return st.loss_sum.cpu()
+        return st.loss_sum
 
     # -------------------------------------------------------------------------- execution
 
@@ -509,7 +509,7 @@ class PipelineRunner:
         device = self.device
         zero = torch.zeros((), dtype=torch.float64, device=device)
         if self.recorder is not None:
-            comm.all_reduce(torch.zeros(1), self.mesh.pp)  # line the stages up: a common time zero
+            comm.all_reduce(torch.zeros(1, device=device), self.mesh.pp)  # line the stages up: a common time zero
             self.recorder.start()
         return _StepState(list(micro_batches), zero.clone(), zero.clone())
 

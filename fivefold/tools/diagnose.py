@@ -83,10 +83,10 @@ def gather_stream(model: ParallelModel, rec: Recording, names: list[str], batche
     per_rank = train.global_batch // layout.dp
     full = {}
     for name in names:
-        out = torch.zeros(train.global_batch, train.seq_len, config.model.hidden)
+        out = torch.zeros(train.global_batch, train.seq_len, config.model.hidden, device=mesh.device)
         for k, local in enumerate(rec.outputs.get(name, [])):
-            rows = mesh.dp.rank * per_rank + k * layout.micro_batch + torch.arange(local.shape[0])
-            positions = batches[k].sequence_positions.cpu()
+            rows = mesh.dp.rank * per_rank + k * layout.micro_batch + torch.arange(local.shape[0], device=mesh.device)
+            positions = batches[k].sequence_positions
             if local.shape[1] == len(positions):
                 if mesh.tp.rank != 0:
                     continue  # every tp rank holds the same values: one writes them
@@ -181,7 +181,7 @@ def probe(
 
     config = validate(config, mesh.world_size)
     _, sampler = open_training_data(config)
-    model = build(config, mesh, torch.device("cpu"))
+    model = build(config, mesh, mesh.device)
     if after_build is not None:
         after_build(model)
     return probe_first_step(model, sampler)

@@ -110,6 +110,9 @@ class DryRunMode(TorchDispatchMode):
 
     def _special(self, func, args, kwargs):  # noqa: ANN001
         packet = func.overloadpacket
+        first = args[0] if args else None
+        if not isinstance(first, torch.Tensor) or first.device.type != "meta":
+            return _NOT_SPECIAL  # a tensor with values (DeviceMesh's rank grid, say) answers for itself
         if packet is aten._local_scalar_dense:
             value = _value(args[0])
             dtype = args[0].dtype
@@ -359,7 +362,7 @@ def run_rank(config: Config, rank: int) -> RankResult:
 
     with fake_world(config.layout.world_size, rank):
         start = time.perf_counter()
-        mesh = Mesh.build(config.layout)  # outside the modes: DeviceMesh keeps its rank grid in a real tensor
+        mesh = Mesh.build(config.layout, device_type="meta")  # outside the modes: DeviceMesh keeps its rank grid in a real tensor
         with DryRunMode(), FusedAttentionOnMeta():
             model = build(config, mesh, torch.device("meta"))
             built = time.perf_counter()

@@ -11,6 +11,7 @@ from ..checkpoint import RUNTIME_BUFFERS, CheckpointError, final_weights_of, rea
 from ..config import Config
 from ..data.sources import load_tokenizer
 from ..model import Transformer
+from ..parallel.mesh import device_for, unavailable_device
 
 
 class RunDirError(ValueError):
@@ -30,7 +31,15 @@ def check_sampling_args(max_new_tokens: int, temperature: float, seed: int) -> N
         raise ValueError(f"--seed={seed} must fit in 64 bits (between {-SEED_LIMIT} and {SEED_LIMIT - 1})")
 
 
-def load_trained(run_dir: str | Path) -> tuple[Transformer, Config]:
+def generation_device(preference: str) -> torch.device:
+    """The device `--device` names (auto: the GPU when there is one), refused where it is missing."""
+    missing = unavailable_device(preference)
+    if missing:
+        raise ValueError(f"--device {preference} but {missing}; use --device cpu or auto")
+    return device_for(preference)
+
+
+def load_trained(run_dir: str | Path, device: torch.device = torch.device("cpu")) -> tuple[Transformer, Config]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"--run {run_dir} is not a folder; give the run folder of a finished training run")
@@ -46,7 +55,7 @@ def load_trained(run_dir: str | Path) -> tuple[Transformer, Config]:
     config, state = read_final_weights(run_dir)
     with torch.device("meta"):
         model = Transformer(config.model)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.load_state_dict(state, strict=False)
     for name, buf in model.named_buffers():
         if name.endswith(RUNTIME_BUFFERS):
@@ -58,8 +67,9 @@ def load_trained(run_dir: str | Path) -> tuple[Transformer, Config]:
 def sample(
     model: Transformer, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 40, seed: int = 0
 ) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt_ids or [0]], dtype=torch.long)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
+    ids = torch.tensor([prompt_ids or [0]], dtype=torch.long, device=device)
     limit = model.config.max_seq_len
     for _ in range(max_new_tokens):
         logits, _ = model(ids[:, -limit:])
@@ -72,8 +82,10 @@ def sample(
     return ids[0].tolist()
 
 
-def generate_text(run_dir: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8, seed: int = 0) -> str:
-    model, config = load_trained(run_dir)
+def generate_text(
+    run_dir: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8, seed: int = 0, device: str = "cpu"
+) -> str:
+    model, config = load_trained(run_dir, generation_device(device))
     tokenizer = load_tokenizer(config.data.tokenizer)
     ids = sample(model, tokenizer.encode(prompt), max_new_tokens, temperature, seed=seed)
     return tokenizer.decode(ids)

@@ -51,10 +51,11 @@ def reference_config(config: Config) -> Config:
 
 
 def train_trace(config: Config, mesh: Mesh, steps: int, keep_params: bool = True) -> TrainTrace:
-    """Train `steps` steps of `config` on this rank's part of `mesh`; gather the full weights."""
+    """Train `steps` steps of `config` on this rank's part of `mesh` (on the mesh's device);
+    gather the full weights."""
     config = validate(config, mesh.world_size)
     _, sampler = open_training_data(config)
-    model = build(config, mesh, torch.device("cpu"))
+    model = build(config, mesh, mesh.device)
     trace = TrainTrace([], [], [])
     mesh.stats.reset()
     for step in range(steps):

@@ -19,7 +19,7 @@ import torch
 from ..config import Config
 from ..job.launch import Job, run_job
 from ..rules.layout import config_from_args, validate
-from ..parallel.mesh import Mesh
+from ..parallel.mesh import Mesh, device_for
 from .parity import compare, reference_config, train_trace
 
 
@@ -28,8 +28,9 @@ def reference_file(config: Config, steps: int, path: Path) -> None:
     from .diagnose import probe
 
     ref = validate(reference_config(config))
-    trace = train_trace(ref, Mesh.single(ref.layout), steps)
-    outputs, grads = probe(ref, Mesh.single(ref.layout))
+    device_type = device_for(config.train.device).type  # the layout's device: same kernels on both sides
+    trace = train_trace(ref, Mesh.single(ref.layout, device_type), steps)
+    outputs, grads = probe(ref, Mesh.single(ref.layout, device_type))
     torch.save(
         {
             "losses": torch.tensor(trace.losses, dtype=torch.float64),
@@ -58,11 +59,11 @@ def check_layout(config: Config, mesh: Mesh, steps: int, ref_path: Path) -> int:
     from .diagnose import first_divergence, probe, stream_module_names
     from .parity import TrainTrace
 
-    saved = torch.load(ref_path, weights_only=True)
+    saved = torch.load(ref_path, weights_only=True, map_location=mesh.device)
     reference = TrainTrace(saved["losses"].tolist(), [], [], saved["params"])
     trace = train_trace(config, mesh, steps)
     report = compare(reference, trace) if mesh.rank == 0 else None
-    diverged = torch.tensor([0 if report is None or report.ok else 1])
+    diverged = torch.tensor([0 if report is None or report.ok else 1], device=mesh.device)
     if mesh.world.size > 1:
         from ..parallel import comm
 
@@ -81,14 +82,21 @@ def check_layout(config: Config, mesh: Mesh, steps: int, ref_path: Path) -> int:
 
 def run_parity_cli(args: argparse.Namespace, overrides: list[str]) -> int:
 
+    from ..run import RunError, check_machine
+
     config = validate(config_from_args(args.config, args.layout, overrides))
+    try:
+        check_machine(config)  # the device exists, each rank has a GPU of its own: before anything starts
+    except RunError as err:
+        print(f"fivefold: error: {err}", file=sys.stderr)
+        return 2
     world = config.layout.world_size
     with tempfile.TemporaryDirectory() as tmp:
         ref_path = Path(tmp) / "reference.pt"
         print(f"training the single-process reference for {args.steps} steps ...")
         reference_file(config, args.steps, ref_path)
         if world == 1:
-            return check_layout(config, Mesh.single(config.layout), args.steps, ref_path)
+            return check_layout(config, Mesh.single(config.layout, device_for(config.train.device).type), args.steps, ref_path)
         print(f"training layout {args.layout} on {world} processes ...")
         job = Job(
             world_size=world,

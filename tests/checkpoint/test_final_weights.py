@@ -319,7 +319,7 @@ def test_the_save_runs_on_a_device_that_is_not_the_cpu_without_touching_a_cpu_te
     sent: set[str] = set()
     for rank in range(config.layout.world_size):
         with fake_world(config.layout.world_size, rank):
-            mesh = Mesh.build(config.layout)
+            mesh = Mesh.build(config.layout, device_type="meta")
             with DryRunMode():
                 model = build(config, mesh, torch.device("meta"))
                 mesh.stats.reset()
@@ -341,7 +341,7 @@ def test_the_check_above_sees_the_cpu_buffers_of_the_old_in_memory_gather():
 
     config = validate(_with_layout(_tiny(), tp=2))
     with fake_world(2, 0):
-        mesh = Mesh.build(config.layout)
+        mesh = Mesh.build(config.layout, device_type="meta")
         with DryRunMode():
             model = build(config, mesh, torch.device("meta"))
             with CpuTensorSeen() as seen, contextlib.suppress(Exception):
