@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..rules.p2p_order import P2POp
+from ..rules import p2p_order
 from .mesh import Axis, CollectiveRecord, FlightRecorder
 
 COLLECTIVE_TIMEOUT_EXIT = 75  # exit status of a rank ended by its watchdog (EX_TEMPFAIL)
@@ -420,8 +420,8 @@ def send_recv(
     _on_mesh_device(axis, op_name, *(t for t, _ in (*sends, *recvs)))
     if axis.stats.p2p_groups is not None and (sends or recvs):
         axis.stats.p2p_groups.append(tuple(
-            [P2POp("send", axis.global_rank(peer), _nbytes(t)) for t, peer in sends]
-            + [P2POp("recv", axis.global_rank(peer), _nbytes(t)) for t, peer in recvs]
+            [p2p_order.P2POp("send", axis.global_rank(peer), _nbytes(t)) for t, peer in sends]
+            + [p2p_order.P2POp("recv", axis.global_rank(peer), _nbytes(t)) for t, peer in recvs]
         ))
     ops = []
     for tensor, peer in sends:

@@ -581,8 +581,9 @@ class PipelineRunner:
 
         Receives from a peer keep their list order (the n-th matches the peer's n-th send);
         posting one never blocks and each is still waited for only by its consumer, so the
-        table's deadlock freedom holds. Only where every operation has its own handle: a
-        coalesced batch's one handle (NCCL) would be waited for at once, too early.
+        table's deadlock freedom holds. Only on gloo (`recvs_ahead` > 0), where every
+        operation runs on its own: under NCCL a receive in a batch of its own would hold up
+        the rank's later batches, and its one handle would be waited for at once, too early.
         """
         ready: list[Action] = []
         for peer, queue in st.unposted_recvs.items():

@@ -7,6 +7,9 @@ issues. `check_p2p_order` then plays those groups out with each rank's groups in
 order and every send waiting for its receive, as NCCL runs them once boundary tensors
 exceed its buffering. The fake group is not gloo, so the runner takes the order it takes
 on NCCL.
+
+The same order is then run by real processes of the gloo pool (the runner told that its
+backend is not gloo): it trains as one process does, and the groups it issued hold too.
 """
 
 from __future__ import annotations
