@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..rules import p2p_order
 from .mesh import Axis, CollectiveRecord, FlightRecorder
 
 COLLECTIVE_TIMEOUT_EXIT = 75  # exit status of a rank ended by its watchdog (EX_TEMPFAIL)
@@ -413,9 +414,15 @@ def send_recv(
     """Post point-to-point sends and receives together (batched); peers are group ranks.
 
     Returns the work handles; the caller waits on them. Only sent bytes are counted. The
-    batch is one flight record, finished when all its handles are complete.
+    batch is one flight record, finished when all its handles are complete, and one group
+    of `CommStats.recording_p2p` when that is on (peers as global ranks).
     """
     _on_mesh_device(axis, op_name, *(t for t, _ in (*sends, *recvs)))
+    if axis.stats.p2p_groups is not None and (sends or recvs):
+        axis.stats.p2p_groups.append(tuple(
+            [p2p_order.P2POp("send", axis.global_rank(peer), _nbytes(t)) for t, peer in sends]
+            + [p2p_order.P2POp("recv", axis.global_rank(peer), _nbytes(t)) for t, peer in recvs]
+        ))
     ops = []
     for tensor, peer in sends:
         axis.stats.add(axis.name, op_name, _nbytes(tensor), _nbytes(tensor))

@@ -73,7 +73,8 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, pending: list[Pending
     if not (torch.is_grad_enabled() and weight.requires_grad):
         return F.linear(x, weight)
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast would, then multiply without it
+    # Devices without autocast (meta, in a dry run) cannot ask whether it is on
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):  # cast as autocast would, then multiply without it
         dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
             return _DeferredLinear.apply(x.to(dtype), _value_of(weight, x, dtype), (weight,), pending)

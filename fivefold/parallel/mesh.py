@@ -14,11 +14,12 @@ A single-process mesh (`Mesh.single()`) has every axis of size 1 and needs no
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from ..rules.layout import (
     is_hybrid,
     rank_to_coords,
 )
+from ..rules.p2p_order import P2PGroup
 
 AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world", *(a for pair in HYBRID_AXES.values() for a in pair))
 
@@ -133,6 +135,7 @@ class CommStats:
     buffer: dict[tuple[str, str], int] = field(default_factory=dict)
     calls: dict[tuple[str, str], int] = field(default_factory=dict)
     flight: FlightRecorder = field(default_factory=FlightRecorder)  # not cleared by reset()
+    p2p_groups: list[P2PGroup] | None = None  # filled by comm.send_recv inside `recording_p2p`
 
     def add(self, axis: str, op: str, buffer_bytes: int, wire_bytes: int) -> None:
         key = (axis, op)
@@ -156,6 +159,16 @@ class CommStats:
 
     def snapshot(self) -> dict[str, Any]:
         return {f"{a}/{op}": {"wire": self.wire[(a, op)], "calls": self.calls[(a, op)]} for (a, op) in self.wire}
+
+    @contextlib.contextmanager
+    def recording_p2p(self) -> Iterator[list[P2PGroup]]:
+        """Inside, every batch of point-to-point operations this rank issues is appended to
+        the yielded list, in issue order (for `rules.p2p_order.check_p2p_order`)."""
+        self.p2p_groups = []
+        try:
+            yield self.p2p_groups
+        finally:
+            self.p2p_groups = None
 
 
 @dataclass

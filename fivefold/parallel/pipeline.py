@@ -12,13 +12,22 @@ Executor
     `PipelineRunner` walks this rank's list of a table from `schedules.py`: compute actions
     run on the local chunk, each run of communication actions is one batched
     point-to-point call whose receives are waited for only by the compute that consumes
-    them (so a rank never waits on its neighbour for data it does not need yet); a send is
-    posted as soon as its tensor exists, ahead of its place in the list (the peer's
-    receive then never waits for this rank to finish a later compute), and on gloo the next
-    receives from each peer are posted ahead of their place too (RECVS_AHEAD; the sender's
-    transfer needs the receive posted). A stage output is freed as soon as it has been sent (its autograd
-    node stays, which is all backward needs) and backward starts from it with the gradient
-    received from the next stage.
+    them (so a rank never waits on its neighbour for data it does not need yet). Where the
+    operations go ahead of their place depends on the backend:
+    - NCCL (any backend but gloo) runs a rank's batches one after another on one stream, and
+      a send larger than its buffering waits for the peer's receive: every operation is
+      posted at its place in the table, in the table's batches, where a send sits in the
+      same batch as the receives it meets. The tables are checked under exactly those rules
+      (`schedules.simulate`), and so is the order the runner issues
+      (`rules.p2p_order.check_p2p_order`, tests/parallel/test_pipeline_p2p_order.py).
+    - gloo runs each operation on its own, each with its own handle: one waiting for its
+      peer holds up nothing else. There a send is posted as soon as its tensor exists (the
+      peer's receive then never waits for this rank to finish a later compute) and the next
+      receives from each peer are posted ahead too (RECVS_AHEAD; gloo's sender waits for
+      the receive to be posted).
+    A stage output is freed as soon as it has been sent (its autograd node stays, which is
+    all backward needs) and backward starts from it with the gradient received from the
+    next stage.
 
 Zero-bubble weight step
     Under a schedule with BACKWARD_INPUT / BACKWARD_WEIGHT actions (zb-h1) the runner
@@ -442,7 +451,10 @@ class PipelineRunner:
         # bf16 with bf16 weights (as in the single process, which never widens it)
         self.boundary_dtype = TORCH_DTYPES[PrecisionPolicy.from_train(config.train).residual]
         self.sp_factor = layout.tp if layout.sequence_parallel else 1
-        self.recvs_ahead = RECVS_AHEAD if _one_handle_per_operation(mesh.pp.group) else 0
+        # Only where operations run independently may they leave the table's batches (see the module docstring)
+        independent = _operations_run_independently(mesh.pp.group)
+        self.sends_ahead = independent
+        self.recvs_ahead = RECVS_AHEAD if independent else 0
         self.params: list[list[torch.Tensor]] = [
             [p for p in chunk.parameters() if p.requires_grad] for chunk in self.chunks
         ]
@@ -514,7 +526,7 @@ class PipelineRunner:
         self.memory = StepMemory(st.peak_units, st.peak_bytes)
 
     def _execute(self, steps: list[tuple[Action, ...]], st: _StepState, training: bool) -> None:
-        st.unposted_sends = _sends_by_peer(steps)
+        st.unposted_sends = _sends_by_peer(steps) if self.sends_ahead else {}
         st.unposted_recvs = _by_peer(steps, RECV_KINDS) if self.recvs_ahead else {}
         self._post_ahead(st, training)
         for step in steps:
@@ -546,8 +558,12 @@ class PipelineRunner:
         compute or two after the tensor exists; posting it at once lets the transfer start
         as soon as the peer posts its receive, so a late sender never holds up the peer's
         next compute. Sends to one peer keep their list order (point-to-point messages
-        match first-in first-out), and since a send never blocks its sender, posting one
-        earlier can only make a receive complete earlier: the table's deadlock freedom holds.
+        match first-in first-out). Only on gloo (`sends_ahead`), where a send runs on its
+        own and blocks nothing else, so posting one earlier can only make a receive complete
+        earlier: the table's deadlock freedom holds. Under NCCL a send in a batch of its own
+        holds up every later batch of its rank until the peer's receive runs, and the peer may
+        be waiting on one of those (1F1B, pp=2: rank 0's next activation against rank 1's
+        gradient): there every send stays in the batch the table gives it.
         """
         ready: list[Action] = []
         for queue in st.unposted_sends.values():
@@ -565,8 +581,9 @@ class PipelineRunner:
 
         Receives from a peer keep their list order (the n-th matches the peer's n-th send);
         posting one never blocks and each is still waited for only by its consumer, so the
-        table's deadlock freedom holds. Only where every operation has its own handle: a
-        coalesced batch's one handle (NCCL) would be waited for at once, too early.
+        table's deadlock freedom holds. Only on gloo (`recvs_ahead` > 0), where every
+        operation runs on its own: under NCCL a receive in a batch of its own would hold up
+        the rank's later batches, and its one handle would be waited for at once, too early.
         """
         ready: list[Action] = []
         for peer, queue in st.unposted_recvs.items():
@@ -693,8 +710,9 @@ class PipelineRunner:
                            device=inputs.device)
 
     def _communicate(self, step: tuple[Action, ...], st: _StepState, training: bool) -> None:
-        """Post one batch. Sends complete in the background: a send never has to wait for the
-        peer to reach its matching receive, and a sent output is freed once its send is done.
+        """Post one batch. Sends complete in the background (this rank moves on; under NCCL
+        the batch's stream waits for the peer's matching receive, which the table puts in a
+        batch of the peer's that meets this one), and a sent output is freed once its send is done.
         A receive is waited for just before the compute that consumes it (`_await_input`),
         not here: the table may place it a compute or two early (where both ends meet in the
         planned timeline), and waiting there would make a rank wait for its neighbour's
@@ -779,7 +797,8 @@ def _synced_actions(row: list[Action]) -> set[tuple[ActionKind, int, int]]:
     return synced
 
 
-def _one_handle_per_operation(group) -> bool:
-    """Whether a batch of point-to-point operations on `group` returns one handle per
-    operation (gloo) rather than one for the whole coalesced batch (NCCL)."""
+def _operations_run_independently(group) -> bool:
+    """Whether the point-to-point operations of a batch on `group` each run on their own,
+    with a handle each (gloo), rather than as one coalesced group that runs after the
+    rank's earlier groups and returns one handle (NCCL and any other backend)."""
     return group is not None and torch.distributed.get_backend(group) == "gloo"

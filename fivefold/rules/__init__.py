@@ -7,5 +7,6 @@
   same), and the map from comm.py's axes to the planner's;
 - `params` and `flops`: the parameter count and the model FLOPs per token;
 - `stages`: the pipeline's layer split; `schedules`: pipeline schedule tables and their
-  simulator.
+  simulator; `p2p_order`: whether an issued order of point-to-point groups can deadlock
+  under NCCL's rules.
 """

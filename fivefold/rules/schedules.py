@@ -18,12 +18,20 @@ The executor contract
        for every request of the batch before moving on (an executor may wait later: for
        a receive, just before the compute that consumes it; for a send, at any time
        before its buffer is reused; waiting later never adds a wait, so it cannot add a
-       deadlock either; it may also post a send ahead of its place, once its tensor
-       exists, keeping the order of its sends to each peer: a send never blocks its
-       sender, so that only lets a receive complete earlier). :func:`group_steps` does the
-       grouping. Post them in list order: point-to-point messages between two ranks are
-       matched first-in first-out, and the tables are built so that the n-th send from
-       rank a to rank b is the n-th receive of rank b from rank a.
+       deadlock either). :func:`group_steps` does the grouping. Post them in list order:
+       point-to-point messages between two ranks are matched first-in first-out, and the
+       tables are built so that the n-th send from rank a to rank b is the n-th receive of
+       rank b from rank a.
+       Do not move a send or a receive out of its batch where the backend runs a rank's
+       batches in order and a send waits for its receive, as NCCL does once a message
+       exceeds its buffering: a send posted ahead in a batch of its own holds up the rank's
+       later batches until the peer's receive runs, and the peer may be waiting on one of
+       them (1F1B at pp=2: rank 0's next activation against rank 1's gradient, which
+       the table puts in one batch with it). The batches are where both ends meet, which
+       is what :func:`simulate` checks; ``rules.p2p_order.check_p2p_order`` checks the
+       order an executor actually issues. Only a backend that runs each operation on its
+       own (gloo) lets an executor post sends and receives ahead of their place, keeping
+       the order per peer.
     4. Which tensor each communication action carries (``mb`` = microbatch, ``c`` = chunk
        of the rank holding the action):
          SEND_ACT  output of FORWARD(mb, c), to ``peer`` (next virtual stage)
@@ -44,7 +52,8 @@ The executor contract
 Why this cannot deadlock
     Every table is checked by :func:`simulate`, which models a batch as blocking until
     each of its operations is matched by the peer, first-in first-out per (sender,
-    receiver) pair. The construction also gives an argument: the communication actions
+    receiver) pair: every send waits for its receive, so this holds for any message size.
+    The construction also gives an argument: the communication actions
     are placed so that there is one global order of transfers that every rank's
     communication actions follow. Take the earliest transfer, in that order, that is
     stuck; its unposted side belongs to a rank blocked on a batch that is earlier in
