@@ -501,6 +501,10 @@ def save_then_resume(pools, saved, resumed, saved_steps: int, total_steps: int, 
         ("tiny", "dp=4,dp_shard=2,zero=3", "dp=4,zero=3"),
         ("tiny", "dp=4,zero=2", "dp=4,dp_shard=2,zero=2"),
         ("tiny-moe", "dp=4,dp_shard=2,ep=2,zero=3", "dp=2,ep=2,zero=1"),
+        # ZeRO-3 inside pipeline stages: each stage's shards are written by its own dp ranks
+        ("tiny", "dp=2,pp=2,zero=3,grad_accum=2", "dp=4,zero=1"),
+        ("tiny", "dp=4,zero=1", "dp=2,pp=2,zero=3,grad_accum=2"),
+        ("tiny-moe", "dp=2,pp=2,ep=2,zero=3,grad_accum=2", "dp=4,ep=2,zero=2"),
     ],
 )
 def test_resume_under_another_layout_matches_the_reference(pools, reference, tmp_path, preset, saved_layout, resumed_layout):
@@ -515,7 +519,8 @@ def test_resume_under_another_layout_matches_the_reference(pools, reference, tmp
     assert_parity(TrainTrace(straight.losses[1:], [], [], params=straight.params), trace)
 
 
-@pytest.mark.parametrize("preset, layout", [("tiny", "dp=2,tp=2,pp=2,zero=1"), ("tiny-moe", "dp=2,ep=2,zero=2")])
+@pytest.mark.parametrize("preset, layout", [("tiny", "dp=2,tp=2,pp=2,zero=1"), ("tiny-moe", "dp=2,ep=2,zero=2"),
+                                            ("tiny", "dp=2,pp=2,zero=3,grad_accum=2")])
 def test_resume_under_the_same_parallel_layout_is_bitwise(pools, tmp_path, preset, layout):
     from helpers import trace_on_rank
 
