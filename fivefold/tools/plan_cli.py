@@ -36,10 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="how many layouts to show")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--optimizer", default="adam", help="adam, adamw or sgd")
-    p.add_argument("--compare", choices=("zero", "schedule", "axes", "hsdp"), default=None,
+    p.add_argument("--compare", choices=("zero", "schedule", "axes", "hsdp", "zero3-pp"), default=None,
                    help="zero: memory per ZeRO stage; schedule: bubble and activations per pipeline schedule "
                         "(and their ideal Gantt charts as a PNG); axes: the five strategies side by side; "
-                        "hsdp: ZeRO-3 over every device against hybrid sharding")
+                        "hsdp: ZeRO-3 over every device against hybrid sharding; zero3-pp: ZeRO-3 with and "
+                        "without pipeline stages")
     p.add_argument("--out", default="plan-schedules.png", help="PNG written by --compare schedule")
     return p
 

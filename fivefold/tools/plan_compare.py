@@ -1,4 +1,4 @@
-"""`fivefold plan --compare zero|schedule|axes|hsdp`: the background articles' comparisons for your model.
+"""`fivefold plan --compare zero|schedule|axes|hsdp|zero3-pp`: the background articles' comparisons for your model.
 
 - zero: model-state bytes per device for each ZeRO stage, the ZeRO paper's Figure 1
   (Rajbhandari et al. 2020) for any model: 2 + 2 + K bytes per parameter (K = 12 for
@@ -8,6 +8,9 @@
   as one PNG.
 - hsdp: ZeRO-3 over all the devices against hybrid sharding (shard groups of 2, 4, ... devices,
   replicated over the rest): model states per device against data-parallel bytes and time.
+- zero3-pp: ZeRO-3 over all the devices against ZeRO-3 inside each stage of a pipeline (pp = 2,
+  4, 8): fewer devices share each stage's states, but each holds only its stage's layers, and
+  its full gradients through the step; model states, data-parallel bytes, bubble and time.
 - axes: the five strategies side by side on the same cluster: what each splits, its
   collective, memory per device, bytes per step on its axis, step time, when to use it.
 
@@ -238,40 +241,82 @@ def axes_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global
 # -------------------------------------------------------------------------------------- hsdp
 
 
+def _estimated(model: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, **fields: Any) -> dict[str, Any]:
+    """A comparison row: `fields`, the layout and its estimate (or why the planner refused it)."""
+    row: dict[str, Any] = {"layout": lay.short(), **fields}
+    try:
+        row["estimate"] = estimate(model, lay, hw, precision)
+    except PlanError as err:
+        row["error"] = str(err)
+    return row
+
+
+def _zero3_layout(gpus: int, global_batch: int, **fields: Any) -> LayoutSpec:
+    """ZeRO-3 with one micro-batch per device and full recomputation (so activations leave room
+    for the states): the setting of both ZeRO-3 comparisons."""
+    fields.setdefault("dp", gpus)
+    return LayoutSpec(zero=3, micro_batch=1, global_batch=global_batch, recompute="full", **fields)
+
+
+def _states(e: Estimate) -> float:
+    return e.memory.params + e.memory.grads + e.memory.optimizer
+
+
+def _zero3_table(title: str, head_columns: tuple[str, ...], tail_columns: tuple[str, ...], rows: list[dict[str, Any]],
+                 tail) -> Table:
+    """The common shape of the ZeRO-3 comparisons: the row's own columns, then memory and dp
+    traffic, then `tail(estimate)` cells under `tail_columns`, then the step time."""
+    table = Table(title=title)
+    columns = (*head_columns, "states GiB/device", "GiB/device", "fits", "dp GB/step", "dp s/step", *tail_columns,
+               "step s")
+    for col in columns:
+        table.add_column(col, no_wrap=True, justify="left" if col == "layout" else "right")
+    for row in rows:
+        head = (row["layout"], *(str(row[c]) for c in head_columns[1:]))
+        if "error" in row:
+            table.add_row(*head, row["error"], *[""] * (len(columns) - len(head) - 1))
+            continue
+        e: Estimate = row["estimate"]
+        table.add_row(*head, f"{_states(e) / GiB:.1f}", f"{e.memory.total / GiB:.1f}", "yes" if e.fits else "no",
+                      f"{e.comm_bytes.get('dp', 0) / GB:.1f}", f"{e.comm_time_s.get('dp', 0):.3g}", *tail(e),
+                      f"{e.step_time_s:.3g}")
+    return table
+
+
 def hsdp_rows(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_batch: int) -> list[dict[str, Any]]:
     """ZeRO-3 over all `gpus` data-parallel devices, then each hybrid sharding of them (shard
-    groups of every divisor of `gpus`, largest first), one micro-batch per device with full
-    recomputation (so activations leave room for the states)."""
-    rows = []
-    for shard in sorted((d for d in divisors(gpus) if d > 1), reverse=True):
-        lay = LayoutSpec(dp=gpus, zero=3, micro_batch=1, global_batch=global_batch, recompute="full",
-                         dp_shard=0 if shard == gpus else shard)
-        row: dict[str, Any] = {"layout": lay.short(), "shard": shard, "replicas": gpus // shard}
-        try:
-            row["estimate"] = estimate(model, lay, hw, precision)
-        except PlanError as err:
-            row["error"] = str(err)
-        rows.append(row)
-    return rows
+    groups of every divisor of `gpus`, largest first)."""
+    return [_estimated(model, _zero3_layout(gpus, global_batch, dp_shard=0 if shard == gpus else shard), hw,
+                       precision, shard=shard, replicas=gpus // shard)
+            for shard in sorted((d for d in divisors(gpus) if d > 1), reverse=True)]
 
 
 def hsdp_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_batch: int) -> Table:
-    table = Table(title=f"ZeRO-3 against hybrid sharding on {gpus} x {hw.name} ({hw.gpus_per_node} per node): "
-                        f"{model.name}, sequence {model.seq_len}, global batch {global_batch}")
-    for col in ("layout", "shard group", "replicas", "states GiB/device", "GiB/device", "fits", "dp GB/step",
-                "dp s/step", "step s"):
-        table.add_column(col, no_wrap=True, justify="left" if col == "layout" else "right")
-    for row in hsdp_rows(model, gpus, hw, precision, global_batch):
-        head = (row["layout"], str(row["shard"]), str(row["replicas"]))
-        if "error" in row:
-            table.add_row(*head, row["error"], "", "", "", "", "")
-            continue
-        e: Estimate = row["estimate"]
-        states = e.memory.params + e.memory.grads + e.memory.optimizer
-        table.add_row(*head, f"{states / GiB:.1f}", f"{e.memory.total / GiB:.1f}", "yes" if e.fits else "no",
-                      f"{e.comm_bytes.get('dp', 0) / GB:.1f}", f"{e.comm_time_s.get('dp', 0):.3g}",
-                      f"{e.step_time_s:.3g}")
-    return table
+    title = (f"ZeRO-3 against hybrid sharding on {gpus} x {hw.name} ({hw.gpus_per_node} per node): "
+             f"{model.name}, sequence {model.seq_len}, global batch {global_batch}")
+    rows = [{**row, "shard group": row["shard"]} for row in hsdp_rows(model, gpus, hw, precision, global_batch)]
+    return _zero3_table(title, ("layout", "shard group", "replicas"), (), rows, lambda e: ())
+
+
+ZERO3_PP_DEGREES = (1, 2, 4, 8)  # up to a node's worth of stages; more only lengthens the bubble
+
+
+def zero3_pp_rows(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_batch: int,
+                  schedule: str = "1f1b") -> list[dict[str, Any]]:
+    """ZeRO-3 over all `gpus` devices, then ZeRO-3 inside each stage of pp = 2, 4, 8 stages (those
+    that divide the devices and the layers), the rest data parallel."""
+    degrees = [pp for pp in ZERO3_PP_DEGREES if gpus % pp == 0 and model.layers % pp == 0 and gpus // pp > 1]
+    return [_estimated(model, _zero3_layout(gpus, global_batch, dp=gpus // pp, pp=pp, schedule=schedule), hw,
+                       precision, pp=pp)
+            for pp in degrees]
+
+
+def zero3_pp_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_batch: int) -> Table:
+    title = (f"ZeRO-3 with and without pipeline parallelism on {gpus} x {hw.name}: {model.name}, "
+             f"sequence {model.seq_len}, global batch {global_batch}, 1F1B")
+    rows = zero3_pp_rows(model, gpus, hw, precision, global_batch)
+    return _zero3_table(title, ("layout",), ("pp GB/step", "bubble"), rows,
+                        lambda e: (f"{e.comm_bytes.get('pp', 0) / GB:.2f}", f"{e.bubble_fraction:.1%}"))
 
 
 # ----------------------------------------------------------------------------- rules of thumb
@@ -387,6 +432,12 @@ def run_compare(args, model: ModelSpec, hardware: str, out) -> int:
         out.print(hsdp_table(model, gpus, hw, args.precision, global_batch))
         out.print("A shard group's all-gathers and reduce-scatters stay among neighbouring devices (inside a node "
                   "when it fits); each step adds one all-reduce of the gradient shards over the replicas.",
+                  highlight=False)
+        return 0
+    if args.compare == "zero3-pp":
+        out.print(zero3_pp_table(model, gpus, hw, args.precision, global_batch))
+        out.print("With pp, each stage's parameters are gathered per block around every micro-batch's forward and "
+                  "backward (dp bytes grow with the micro-batches), and its gradients stay whole through the step.",
                   highlight=False)
         return 0
     base = parse_layout(args.layout, global_batch=global_batch) if args.layout else \

@@ -47,3 +47,30 @@ def test_zero3_in_a_pipeline_with_expert_parallel_matches_one_process(pools, ref
     many_layout_parity(pools, reference, [_moe(pp=2, dp=2, ep=2, zero=3, pp_schedule="1f1b", grad_accum=2)])
     # dp=4: each expert has two copies, so its parameters are sharded too
     many_layout_parity(pools, reference, [_moe(pp=2, dp=4, ep=2, zero=3, pp_schedule="gpipe", grad_accum=2)])
+
+
+def test_plan_compare_shows_zero3_with_and_without_pipeline_stages(capsys):
+    """Flat ZeRO-3 first, then ZeRO-3 inside 2, 4, 8 stages: a stage keeps its whole gradients
+    through the step, so its states shrink with more stages but never to flat ZeRO-3's."""
+    from fivefold.planner import load_model
+    from fivefold.planner.hardware import get_hardware
+    from fivefold.planner.model_states import state_bytes
+    from fivefold.tools.plan_cli import run_plan_cli
+    from fivefold.tools.plan_compare import zero3_pp_rows
+
+    model = load_model("llama3-70b")
+    rows = zero3_pp_rows(model, 64, get_hardware("H100-80GB"), "bf16", 512)
+    assert [(r["estimate"].layout.pp, r["estimate"].layout.dp) for r in rows] == [(1, 64), (2, 32), (4, 16), (8, 8)]
+    grad_bytes, psi = state_bytes("bf16", "adam").grad, model.num_params()
+    flat, *staged = [r["estimate"] for r in rows]
+    assert flat.memory.grads < 1.1 * grad_bytes * psi / 64 and flat.bubble_fraction == 0
+    for e in staged:
+        assert e.memory.grads >= 0.9 * grad_bytes * psi / e.layout.pp  # the stage's gradients, unsharded
+        assert e.bubble_fraction > 0 and e.comm_bytes["pp"] > 0
+    states = [e.memory.params + e.memory.grads + e.memory.optimizer for e in (flat, *staged)]
+    assert states[0] < states[3] < states[2] < states[1]
+
+    assert run_plan_cli(["--compare", "zero3-pp", "--model", "llama3-70b", "--gpus", "64"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if "zero=3" in line]
+    assert [line.split("│")[1].strip().split(",")[:3] for line in table] == [
+        ["dp=64", "tp=1", "pp=1"], ["dp=32", "tp=1", "pp=2"], ["dp=16", "tp=1", "pp=4"], ["dp=8", "tp=1", "pp=8"]]
