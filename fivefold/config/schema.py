@@ -103,6 +103,10 @@ class Layout:
     # and the dp / dp_shard groups are replicas of each other; 0 shards over all of dp.
     dp_shard: int = 0
     zero: int = 0
+    # ZeRO-3: gather each unit's parameters around every micro-batch's forward and backward
+    # ("micro_batch"), or once per step, kept gathered across its micro-batches ("step": fewer
+    # all-gathers, the full parameters held through the step).
+    zero3_gather: str = "micro_batch"
     tp: int = 1
     sequence_parallel: bool = False
     tp_overlap: bool = False  # backward: tp input-gradient collectives overlap the weight-gradient matmuls

@@ -82,7 +82,7 @@ from .buckets import (
 from .flat_adamw import FlatAdamW
 from .optim import AdamWSettings
 from .protocols import GradFinalizer, ParamFinalizer
-from ..rules.volumes import reduces_once_per_step, zero3_keeps_ends_gathered
+from ..rules.volumes import reduces_once_per_step, zero3_gathers_once_per_step, zero3_keeps_ends_gathered
 
 
 class ZeroAdamW(FlatAdamW):
@@ -456,6 +456,7 @@ class ZeroStage3Sync(ZeroStage2Sync):
     def _plan_buckets(self, chunks: list[nn.Module], mesh: Mesh, bucket_bytes: int,
                       finalized: AbstractSet[int]) -> list[FlatBucket]:
         self.units = build_units(chunks, mesh, finalized)
+        self.keep_through_step = zero3_gathers_once_per_step(mesh.layout.zero3_gather)
         buckets = [b for unit in reversed(self.units) for b in unit.buckets]  # backward completes the last unit first
         for i, bucket in enumerate(buckets):
             bucket.index = i
@@ -467,7 +468,7 @@ class ZeroStage3Sync(ZeroStage2Sync):
     def _prepare(self, chunks: list[nn.Module]) -> None:
         self.param_shards = [m.to(self.settings.param_dtype) for m in self._initial]
         self._prepare_packing()
-        self.unit_gatherer = UnitGatherer(self.units, self.param_shards, self.buckets)
+        self.unit_gatherer = UnitGatherer(self.units, self.param_shards, self.buckets, self.keep_through_step)
         self.unit_gatherer.free_all()
 
     def _bucket_complete(self, bucket: FlatBucket) -> None:
@@ -758,10 +759,16 @@ class UnitGatherer:
     back in. Up to `KEPT_SPARES` freed buffers are kept for the next gathers: giving them
     back to the allocator and asking again costs fresh pages every gather (page faults and
     zeroing, and heap trimming that makes the compute's own allocations fault too).
+
+    With `keep_through_step` (layout.zero3_gather="step") a unit gathered for a training
+    forward stays full until `free_all` at the end of the step: the step's later micro-batches
+    find it gathered (forwards without a backward, e.g. evaluation, still free it).
     """
 
-    def __init__(self, units: list[GatherUnit], shards: list[torch.Tensor], buckets: list[FlatBucket]) -> None:
+    def __init__(self, units: list[GatherUnit], shards: list[torch.Tensor], buckets: list[FlatBucket],
+                 keep_through_step: bool = False) -> None:
         self.units = units
+        self.keep_through_step = keep_through_step
         self.shard_of = {id(b): s for b, s in zip(buckets, shards)}
         self.status = {id(b): "full" for b in buckets}
         self.works: dict[int, Any] = {}
@@ -821,6 +828,8 @@ class UnitGatherer:
         embedding last), and freeing the bucket of its finalized parameters (the final norm) at
         their early gradient would make the prefetch before the embedding's backward gather it again.
         """
+        if self.keep_through_step:
+            return  # freed by `free_all` once the step's last backward is done
         unit = self.unit_of[id(b)]
         done = self.completed.setdefault(id(unit), set())
         done.add(id(b))
@@ -855,7 +864,8 @@ class UnitGatherer:
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             backward_follows = torch.is_grad_enabled() and _requires_grad(output)
-            if not (unit.kept_for_backward and backward_follows):
+            kept = unit.kept_for_backward or self.keep_through_step
+            if not (kept and backward_follows):
                 self.free_unit(unit)
             if backward_follows:
                 return _wrap_outputs(output, before_backward)

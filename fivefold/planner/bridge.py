@@ -46,7 +46,7 @@ def runtime_layout(spec: LayoutSpec, base: Layout | None = None) -> Layout:
         base or Layout(), dp=spec.dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep, zero=spec.zero, vpp=spec.vpp,
         pp_schedule=spec.schedule, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute,
         cp_algorithm=spec.cp_kind, micro_batch=spec.micro_batch, grad_accum=0, pp_layers=spec.pp_layers,
-        dp_shard=spec.dp_shard,
+        dp_shard=spec.dp_shard, zero3_gather=spec.zero3_gather if spec.zero == 3 else "micro_batch",
     )
 
 
@@ -57,6 +57,7 @@ def layout_spec(layout: Layout, global_batch: int) -> LayoutSpec:
         micro_batch=layout.micro_batch or global_batch // layout.dp, global_batch=global_batch,
         schedule=layout.pp_schedule, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
         cp_kind=layout.cp_algorithm, pp_layers=tuple(layout.pp_layers), dp_shard=layout.dp_shard,
+        zero3_gather=layout.zero3_gather,
     )
 
 

@@ -187,7 +187,7 @@ def dp_grads(lay: LayoutSpec, param_b: int, grad_b: int, dense: float, expert: f
         finalized_bytes = finalized * grad_b if what == "non-expert" else 0.0
         if n > 1:
             calls = volumes.dp_step_calls(lay.zero, psi * grad_b, psi * param_b, lay.num_micro_batches, gathers,
-                                          psi_kept * param_b, finalized_bytes, lay.pp)
+                                          psi_kept * param_b, finalized_bytes, lay.pp, lay.zero3_gather)
             out += [c._replace(what=f"{what} {c.what}") for c in _collectives("dp", calls, n, shard_span)]
         if copies > 1 and lay.zero:
             calls = volumes.replica_calls(psi * grad_b / n)

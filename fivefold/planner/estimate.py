@@ -379,8 +379,10 @@ def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tup
     lay, sb = ctx.lay, ctx.sb
     dense, expert = _params_here(ctx, s == 0, s == lay.pp - 1, n_dense, n_moe)
     groups = zero_groups(lay.dp, lay.cp, lay.ep, zero, lay.dp_shard)  # `zero` may differ from lay.zero
-    ms_d = zero_model_states(dense, groups.dense_shard, zero, sb, _finalized_params(ctx, s, n_dense, n_moe), lay.pp)
-    ms_e = zero_model_states(expert, groups.expert_shard, zero, sb, pp=lay.pp)  # no expert gradient has a finalizer
+    ms_d = zero_model_states(dense, groups.dense_shard, zero, sb, _finalized_params(ctx, s, n_dense, n_moe), lay.pp,
+                             lay.zero3_gather)
+    ms_e = zero_model_states(expert, groups.expert_shard, zero, sb, pp=lay.pp,
+                             gather=lay.zero3_gather)  # no expert gradient has a finalizer
     buffers = 0
     if zero == 3 and n_dense + n_moe:
         per = [ctx.costs[k] for k, n in ((False, n_dense), (True, n_moe)) if n]
@@ -444,7 +446,7 @@ def _peak_candidates(groups: list[tuple[int, int, int]]) -> list[int]:
 def _states_key(lay: LayoutSpec, zero: int, optimizer: str) -> tuple:
     """What the model states of every stage depend on (not micro-batching, schedule or recomputation)."""
     return ("states", lay.tp, lay.pp, lay.vpp, lay.pp_layers, lay.ep, lay.dp * lay.cp, lay.dp_shard, zero, optimizer,
-            lay.sequence_parallel)  # sequence parallelism adds gradient finalizers
+            lay.sequence_parallel, lay.zero3_gather)  # sequence parallelism adds gradient finalizers
 
 
 def _states_per_stage(ctx: _Ctx, groups: list[tuple[int, int, int]], zero: int) -> list[int]:

@@ -54,11 +54,13 @@ class ModelStates(NamedTuple):
     optimizer: int
 
 
-def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, finalized: float = 0.0, pp: int = 1) -> ModelStates:
+def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, finalized: float = 0.0, pp: int = 1,
+                      gather: str = "micro_batch") -> ModelStates:
     """Per-device bytes for ``psi`` parameters sharded over ``n`` ranks at ZeRO ``zero``.
 
     ``finalized`` of the ``psi`` parameters have gradients completed by gradient finalizers:
     ZeRO-2/3 hold those full until the end of the step (`fivefold.rules.volumes.zero_reduction`).
+    ZeRO-3 gathering once per step (``gather="step"``) holds the full parameters besides its shard.
     """
     shard = lambda nbytes: math.ceil(nbytes / n)  # noqa: E731
     p, g, k = sb.param * psi, sb.grad * psi, sb.optimizer * psi
@@ -68,4 +70,5 @@ def zero_model_states(psi: float, n: int, zero: int, sb: StateBytes, finalized: 
         return ModelStates(math.ceil(p), grads, math.ceil(k))
     if zero in (1, 2):
         return ModelStates(math.ceil(p), grads, shard(k))
-    return ModelStates(shard(p), grads, shard(k))
+    held = math.ceil(p) if volumes.zero3_gathers_once_per_step(gather) else 0
+    return ModelStates(shard(p) + held, grads, shard(k))

@@ -19,6 +19,7 @@ from functools import cached_property
 
 from ..rules.layout import CP_ALGORITHMS as CP_KINDS
 from ..rules.layout import RECOMPUTE, SCHEDULES, LayoutError, ZeroGroups, check_chunk_schedule, zero_groups
+from ..rules.volumes import ZERO3_GATHERS
 from ..config import default_ffn_hidden
 from . import params
 from .errors import PlanError, UnknownNameError, choices
@@ -186,6 +187,7 @@ class LayoutSpec:
     cp_kind: str = "allgather"
     pp_layers: tuple[int, ...] = ()
     dp_shard: int = 0  # hybrid sharding: ZeRO shard groups of dp_shard (x cp) ranks; 0: all of dp
+    zero3_gather: str = "micro_batch"  # ZeRO-3 gathers per micro-batch, or once per step (`ZERO3_GATHERS`)
 
     def __post_init__(self) -> None:
         _positive("LayoutSpec", dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
@@ -211,6 +213,8 @@ class LayoutSpec:
         object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
             raise PlanError(f"LayoutSpec.dp_shard={self.dp_shard} does not divide dp={self.dp}; use a divisor or 0")
+        if self.zero3_gather not in ZERO3_GATHERS:
+            raise UnknownNameError(f"zero3_gather={self.zero3_gather!r} is unknown; use one of {choices(ZERO3_GATHERS)}")
 
     @property
     def zero_groups(self) -> ZeroGroups:
@@ -248,6 +252,8 @@ class LayoutSpec:
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         parts.append(f"zero={self.zero}")
+        if self.zero == 3 and self.zero3_gather != "micro_batch":
+            parts.append(f"zero3_gather={self.zero3_gather}")
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}")
         if self.vpp > 1:
@@ -265,7 +271,7 @@ _LAYOUT_KEYS = {
     "mb": "micro_batch", "micro_batch": "micro_batch", "gb": "global_batch",
     "global_batch": "global_batch", "schedule": "schedule", "sp": "sequence_parallel",
     "sequence_parallel": "sequence_parallel", "recompute": "recompute", "cp_kind": "cp_kind",
-    "dp_shard": "dp_shard",
+    "dp_shard": "dp_shard", "zero3_gather": "zero3_gather",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -284,7 +290,7 @@ def parse_layout(text: str, **defaults) -> LayoutSpec:
             raise UnknownNameError(f"layout item {item!r} is not KEY=VALUE with KEY one of "
                                    f"{choices(sorted(_LAYOUT_KEYS))}")
         field_name = _LAYOUT_KEYS[key]
-        if field_name in ("schedule", "recompute", "cp_kind"):
+        if field_name in ("schedule", "recompute", "cp_kind", "zero3_gather"):
             values[field_name] = raw.lower()
         elif field_name == "sequence_parallel":
             if raw.lower() not in _TRUE | _FALSE:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..config import Config, Layout, ModelConfig, TrainConfig, check_values, load_config
 from .precision import PrecisionError, PrecisionPolicy
-from .volumes import local_kv_heads, vocab_rows_per_rank
+from .volumes import ZERO3_GATHERS, local_kv_heads, vocab_rows_per_rank
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CP_ALGORITHMS = ("allgather", "ring", "ulysses")
@@ -335,6 +335,15 @@ def _check_zero(layout: Layout) -> None:
             f"zero={layout.zero} shards over data-parallel ranks but dp x cp = 1; set layout.dp > 1 or zero = 0"
         )
     _check_hybrid(layout)
+    _check_zero3_gather(layout)
+
+
+def _check_zero3_gather(layout: Layout) -> None:
+    if layout.zero3_gather not in ZERO3_GATHERS:
+        raise LayoutError(f"layout.zero3_gather='{layout.zero3_gather}' is unknown; use one of {', '.join(ZERO3_GATHERS)}")
+    if layout.zero3_gather != "micro_batch" and layout.zero != 3:
+        raise LayoutError(f"layout.zero3_gather='{layout.zero3_gather}' chooses when ZeRO-3 gathers parameters "
+                          f"but zero={layout.zero}; set layout.zero=3 or drop zero3_gather")
 
 
 def _check_hybrid(layout: Layout) -> None:

@@ -384,6 +384,18 @@ def reduces_once_per_step(zero: int, pp: int) -> bool:
     return zero == 1 or (zero == 3 and pp > 1)
 
 
+ZERO3_GATHERS = ("micro_batch", "step")  # layout.zero3_gather: when ZeRO-3 gathers a unit's parameters
+
+
+def zero3_gathers_once_per_step(gather: str) -> bool:
+    """Whether ZeRO-3 gathers each unit once per step and keeps it gathered across the step's
+    micro-batches ("step": one all-gather per unit, the whole chunk's parameters held through
+    the step) rather than around each micro-batch's forward and backward ("micro_batch")."""
+    if gather not in ZERO3_GATHERS:
+        raise ValueError(f"zero3_gather='{gather}' is unknown; use one of {', '.join(ZERO3_GATHERS)}")
+    return gather == "step"
+
+
 def zero3_keeps_ends_gathered(pp: int) -> bool:
     """Whether ZeRO-3 keeps a chunk's root and last block gathered from their forward to their
     backward: only without a pipeline, where that backward follows at once. In a pipeline other
@@ -420,7 +432,7 @@ def held_full_grad_bytes(zero: int, grad_bytes: float, finalized_bytes: float, p
 
 def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batches: int,
                   gathers_per_micro_batch: int = 2, kept_bytes: float = 0.0,
-                  finalized_bytes: float = 0.0, pp: int = 1) -> list[Call]:
+                  finalized_bytes: float = 0.0, pp: int = 1, gather: str = "micro_batch") -> list[Call]:
     """Data-parallel (ZeRO) collectives of one step for a rank's gradients / parameters.
 
     ZeRO-0: one all-reduce of the gradients per step. ZeRO-1: reduce-scatter of the gradients
@@ -431,12 +443,15 @@ def dp_step_calls(zero: int, grad_bytes: float, param_bytes: float, micro_batche
     stay gathered from the forward to the backward (zero.py keeps the chunk's root, i.e.
     embedding, final norm and head, and its last block): the later gathers leave them out.
     ``finalized_bytes`` of the gradients are reduced once per step (`zero_reduction`).
+    With ``gather="step"`` (`zero3_gathers_once_per_step`) every parameter is gathered once.
     """
     if zero == 0:
         return [Call("all_reduce", grad_bytes, 1, "bwd", "grads")]
     reduce = zero_reduction(zero, grad_bytes, micro_batches, finalized_bytes, pp)
     if zero in (1, 2):
         return [*reduce, Call("all_gather", param_bytes, 1, "step", "updated params")]
+    if zero3_gathers_once_per_step(gather):
+        return [Call("all_gather", param_bytes, 1, "fwd", "params, kept through the step"), *reduce]
     if not kept_bytes:
         return [Call("all_gather", param_bytes, gathers_per_micro_batch * micro_batches, "fwd", "params"), *reduce]
     return [Call("all_gather", param_bytes, micro_batches, "fwd", "params"),

@@ -74,3 +74,15 @@ def test_plan_compare_shows_zero3_with_and_without_pipeline_stages(capsys):
     table = [line for line in capsys.readouterr().out.splitlines() if "zero=3" in line]
     assert [line.split("│")[1].strip().split(",")[:3] for line in table] == [
         ["dp=64", "tp=1", "pp=1"], ["dp=32", "tp=1", "pp=2"], ["dp=16", "tp=1", "pp=4"], ["dp=8", "tp=1", "pp=8"]]
+
+
+def test_zero3_gathering_once_per_step_matches_one_process(pools, reference):
+    """layout.zero3_gather="step": each unit gathered at its first forward of the step and kept
+    through the step's micro-batches; the same numbers as gathering per micro-batch."""
+    many_layout_parity(pools, reference, [
+        _cfg(pp=2, dp=2, zero=3, zero3_gather="step", pp_schedule="1f1b", grad_accum=4),
+        _cfg(pp=2, dp=2, zero=3, zero3_gather="step", pp_schedule="interleaved", vpp=2, grad_accum=4),
+        _cfg("model.tied_embeddings=true", pp=2, dp=2, zero=3, zero3_gather="step", pp_schedule="zb-h1",
+             grad_accum=4),
+        _cfg(dp=4, zero=3, zero3_gather="step", grad_accum=2),
+    ])

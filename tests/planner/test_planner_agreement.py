@@ -154,6 +154,10 @@ CASES = [
         {"pp_schedule": "gpipe"}, {"pp_schedule": "1f1b"},
         {"pp_schedule": "interleaved", "vpp": 2}, {"pp_schedule": "1f1b", "model.tied_embeddings": "true"},
     )),
+    # ZeRO-3 gathering once per step (layout.zero3_gather="step"): one all-gather per unit, the
+    # full parameters held through the step; with and without a pipeline
+    _case("tiny", 4, pp=2, dp=2, zero=3, grad_accum=4, pp_schedule="1f1b", zero3_gather="step"),
+    _case("tiny", 2, dp=2, zero=3, grad_accum=2, zero3_gather="step"),
     # hybrid sharding: ZeRO inside shard groups of neighbouring ranks, shard sums over the replicas
     *(_case(preset, world, **lay) for preset, world, lay in (
         ("tiny", 4, {"dp": 4, "dp_shard": 2, "zero": 1, "grad_accum": 2}),
