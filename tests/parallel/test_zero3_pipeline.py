@@ -86,3 +86,14 @@ def test_zero3_gathering_once_per_step_matches_one_process(pools, reference):
              grad_accum=4),
         _cfg(dp=4, zero=3, zero3_gather="step", grad_accum=2),
     ])
+
+
+def test_a_gather_policy_without_zero3_or_unknown_is_refused():
+    import pytest
+
+    from fivefold.rules.layout import LayoutError, validate
+
+    with pytest.raises(LayoutError, match="zero3_gather='step' chooses when ZeRO-3 gathers parameters but zero=2"):
+        validate(_cfg(dp=2, zero=2, zero3_gather="step"))
+    with pytest.raises(LayoutError, match="zero3_gather='always' is unknown; use one of micro_batch, step"):
+        validate(_cfg(dp=2, zero=3, zero3_gather="always"))
