@@ -104,7 +104,7 @@ def sample(
     for _ in range(max_new_tokens):
         logits, _ = model(ids[:, -limit:])
         logits = logits[0, -1].float() / max(temperature, 1e-5)
-        if not bool(torch.isfinite(logits).any()) or bool(torch.isnan(logits).any()):
+        if not bool(torch.isfinite(logits).all()):
             # finite weights can still overflow (e.g. in half precision); multinomial would crash on them
             raise DivergedWeightsError("the model's logits hold NaN or inf although its weights are finite; "
                                        "sample on --device cpu, or from an earlier checkpoint")
