@@ -291,7 +291,7 @@ def _write_failure(path: Path, err: OSError) -> PrepareWriteError:
                              "same `fivefold data prepare` again, which keeps the shards already finished")
 
 
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """`write` into a temporary file renamed over `path`: a reader never sees half a file, and a
     failed or interrupted write leaves nothing behind."""
     tmp = path.with_name(path.name + ".tmp")
