@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -68,11 +69,26 @@ def cmd_train(args: argparse.Namespace, overrides: list[str], argv: list[str]) -
             under_torchrun = "RANK" in os.environ
             if config.layout.world_size > 1 and not under_torchrun:
                 return launch_training(config, args, argv, run_dir)
-            run_training(config, run_dir, overwrite=args.overwrite)
+            records = run_training(config, run_dir, overwrite=args.overwrite)
     except RunError as err:
         print(f"fivefold: error: {err}", file=sys.stderr)
         return 1
-    return 0
+    except KeyboardInterrupt:  # Ctrl-C outside the steps (loading, the final save) or a second Ctrl-C
+        print(f"fivefold: interrupted (SIGINT) without a new checkpoint; {run_dir} keeps its earlier ones",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
+    return stop_status(records.stopped_by, run_dir, under_torchrun)
+
+
+def stop_status(stopped_by: int, run_dir: Path, under_torchrun: bool) -> int:
+    """The exit status of a run stopped by a signal after its checkpoint: 128 + the signal, as the
+    launcher exits for a multi-process job. A rank under a launcher exits 0: its launcher
+    (fivefold's or torchrun) reports the signal, and torchrun would count a nonzero rank as failed."""
+    if not stopped_by or under_torchrun:
+        return 0
+    print(f"fivefold: stopped by {signal.Signals(stopped_by).name} after a checkpoint; continue with "
+          f"fivefold train --run-dir {run_dir} --resume", file=sys.stderr)
+    return 128 + stopped_by
 
 
 def train_config(args: argparse.Namespace, overrides: list[str]) -> Config:

@@ -8,6 +8,7 @@ import functools
 import gc
 import math
 import os
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -303,8 +304,11 @@ def check_finite(record: dict, config: Config, run_dir: Path) -> None:
 
 
 def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_dir: Path, start: int, log, progress,
-                prediction: dict | None = None) -> tuple[list[dict], bool]:
-    """Steps start..steps-1, checkpointing on schedule and on SIGTERM. Returns (records, stopped early)."""
+                prediction: dict | None = None) -> tuple[list[dict], int]:
+    """Steps start..steps-1, checkpointing on schedule and on SIGTERM or Ctrl-C.
+
+    Returns (records, the signal that stopped the run early after its checkpoint, else 0); a
+    rank stopped because another rank was signalled reports SIGTERM, which the launcher sends."""
     from .checkpoint import StopRequest
 
     records, stop, stopping = [], StopRequest(), False
@@ -335,7 +339,7 @@ def train_steps(model, config: Config, data: TokenData, sampler: Sampler, run_di
                 break
     finally:
         stop.close()
-    return records, stopping
+    return records, (stop.signum or signal.SIGTERM) if stopping else 0
 
 
 def claim_run_dir(run_dir: Path, config: Config, mesh: Mesh, device: torch.device, overwrite: bool) -> RunLock | None:
@@ -368,10 +372,20 @@ def record_malloc(run_dir: Path, state: MallocState, mesh: Mesh) -> None:
             print(f"malloc={state.setting}: {state.detail}")
 
 
+class TrainedRecords(list):
+    """The per-step records of a run, and `stopped_by`: the signal (SIGTERM, SIGINT) that stopped
+    it after a checkpoint, 0 when it ran to its last step. A list, so callers that only want the
+    records need not know."""
+
+    def __init__(self, records: list[dict], stopped_by: int = 0) -> None:
+        super().__init__(records)
+        self.stopped_by = stopped_by
+
+
 def run_training(
     config: Config, run_dir: Path | None = None, show_progress: bool = True, overwrite: bool = False,
     device: torch.device | None = None,
-) -> list[dict]:
+) -> TrainedRecords:
     """Train `config` on this process's part of the layout; returns the per-step records.
 
     `overwrite` replaces a previous run in `run_dir`; without it (or checkpoint.resume) a
@@ -394,7 +408,7 @@ def run_training(
 
 def _train_in(
     config: Config, run_dir: Path, mesh: Mesh, device: torch.device, malloc: MallocState, show_progress: bool
-) -> list[dict]:
+) -> TrainedRecords:
     torch.manual_seed(config.train.seed)
     data, sampler = load_data(config)
     model = build(config, mesh, device)
@@ -411,13 +425,14 @@ def _train_in(
     record_hosts(run_dir, is_main)
     try:
         with _progress(is_main and show_progress, config.train.steps) as progress:
-            records, stopped = train_steps(model, config, data, sampler, run_dir, start, log, progress, prediction)
-        path = None if stopped else save_final_weights(model, run_dir, config, max(start, config.train.steps))
+            records, stopped_by = train_steps(model, config, data, sampler, run_dir, start, log, progress, prediction)
+        path = None if stopped_by else save_final_weights(model, run_dir, config, max(start, config.train.steps))
     finally:
         log.close()
     if is_main and records:
         first, last = records[0]["loss"], records[-1]["loss"]
-        where = (f"weights: {path}" if path else "stopped by SIGTERM after a checkpoint" if stopped
+        where = (f"weights: {path}" if path else f"stopped by {signal.Signals(stopped_by).name} after a checkpoint"
+                 if stopped_by
                  else f"no weights written: nothing has values on the {device} device")
         print(f"loss {first:.4f} -> {last:.4f} in {len(records)} steps; {where}; metrics: {log.path}")
-    return records
+    return TrainedRecords(records, stopped_by)

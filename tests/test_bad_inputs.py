@@ -174,6 +174,17 @@ def _edit_run_config(key: str, value: object) -> Callable[[Path], None]:
     return prepare
 
 
+def _nan_in_final_weights(d: Path) -> None:
+    """The run's final weights with one NaN, as a diverged run leaves them."""
+    from safetensors.torch import load_file, save_file
+
+    file = d / "run" / "model.safetensors"
+    tensors = load_file(str(file))
+    name = next(k for k in sorted(tensors) if tensors[k].is_floating_point())
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(file))
+
+
 def _export_hf(d: Path) -> None:
     """A Hugging Face Llama folder holding the run's weights (written directly: no transformers import)."""
     from safetensors.torch import load_file, save_file
@@ -343,6 +354,8 @@ CASES: list[Case] = [
          prepare=_mkdir("empty")),
     Case("generate corrupt weights", ["generate", "--run", "{d}/run"], 2, ("cannot be read",), run=True,
          prepare=_write("run/model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")),
+    Case("generate weights hold NaN", ["generate", "--run", "{d}/run", "--max-new-tokens", "2"], 2,
+         ("hold NaN or inf", "/run", "convert export"), run=True, prepare=_nan_in_final_weights, keep="run"),
     Case("generate config not JSON", ["generate", "--run", "{d}/run"], 2, ("not the config.json",), run=True,
          prepare=_write("run/config.json", "{nope")),
     Case("generate weights of another shape", ["generate", "--run", "{d}/run"], 2, ("does not match",), run=True, prepare=_edit_run_config("hidden", 32)),

@@ -29,6 +29,7 @@ from .format import (
     step_dir,
     write_rank_files,
 )
+from .hf_tokenizer import ExportedTokenizer, export_tokenizer
 from .reader import CheckpointReader, check_model_fits
 from .sets import INDEX_FILE, SINGLE_FILE, TensorSet, describe
 from .state import RUNTIME_BUFFERS
@@ -193,6 +194,14 @@ def _full_state(source: RunWeights) -> tuple[ModelConfig, dict[str, torch.Tensor
     return config.model, _read_weights(source.final, config)
 
 
+def _tokenizer_of(source: RunWeights) -> str:
+    """The `data.tokenizer` the weights were trained with (checked by _full_state already)."""
+    if source.checkpoint is not None:
+        return str(read_manifest(source.checkpoint)["config"].get("data", {}).get("tokenizer", "bytes"))
+    assert source.final is not None
+    return _read_run_config(source.final.folder / "config.json").data.tokenizer
+
+
 def check_export_target(out: Path) -> None:
     """Export writes only into a new or empty folder: never over a run or other files."""
     from ..job.rundir import existing_entries, looks_like_run
@@ -208,12 +217,21 @@ def check_export_target(out: Path) -> None:
 
 def export_hf(path: Path, out: Path, step: int | None = None) -> tuple[Path, RunWeights]:
     """Write a Hugging Face folder from a run's newest weights (or a checkpoint); returns it and the source."""
+    return export_hf_with_tokenizer(path, out, step)[:2]
+
+
+def export_hf_with_tokenizer(path: Path, out: Path, step: int | None = None) -> tuple[Path, RunWeights, ExportedTokenizer]:
+    """export_hf, also writing the run's tokenizer; config.json's BOS/EOS ids are that tokenizer's."""
     from .hf import write_hf_folder
 
     check_export_target(out)
     source = newest_weights(path, step)
     model_config, state = _full_state(source)
-    return write_hf_folder(state, model_config, out, step=source.step), source
+    Path(out).mkdir(parents=True, exist_ok=True)
+    tokenizer = export_tokenizer(_tokenizer_of(source), Path(out), model_config.max_seq_len)
+    folder = write_hf_folder(state, model_config, out, step=source.step,
+                             bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    return folder, source, tokenizer
 
 
 def _toml_value(value: Any) -> str:
@@ -303,8 +321,13 @@ def run_convert_cli(argv: list[str]) -> int:
     imp.add_argument("--config", default="tiny", help="preset giving the training settings (default: tiny)")
     args = parser.parse_args(argv)
     if args.direction == "export":
-        out, source = export_hf(Path(args.run_dir), Path(args.out), args.step)
+        out, source, tokenizer = export_hf_with_tokenizer(Path(args.run_dir), Path(args.out), args.step)
         print(f"wrote {out} from the {source.describe()} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+        if tokenizer.files:
+            print(f"tokenizer: {', '.join(tokenizer.files)} (load with transformers.AutoTokenizer.from_pretrained); "
+                  f"bos_token_id={tokenizer.bos_id}, eos_token_id={tokenizer.eos_id}")
+        else:
+            print(f"note: {tokenizer.note}")
         return 0
     run_dir = import_hf(Path(args.hf), Path(args.run_dir), args.config)
     print(f"imported {args.hf} into {run_dir}; fine-tune with: fivefold train --run-dir {run_dir} --resume")

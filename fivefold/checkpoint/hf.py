@@ -311,9 +311,13 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
 
 
 def write_hf_folder(state: Mapping[str, torch.Tensor], config: ModelConfig, folder: str | Path,
-                    step: int | None = None, max_file_bytes: int | None = None) -> Path:
+                    step: int | None = None, max_file_bytes: int | None = None,
+                    bos_id: int | None = None, eos_id: int | None = None) -> Path:
     """Write config.json and the weights (one model.safetensors, or a sharded set with its index, as
-    `save_pretrained` writes them) that `AutoModelForCausalLM.from_pretrained` loads."""
+    `save_pretrained` writes them) that `AutoModelForCausalLM.from_pretrained` loads.
+
+    `bos_id` / `eos_id` are the training tokenizer's; None writes null rather than transformers'
+    Llama defaults (1, 2), which would name ordinary tokens of another tokenizer."""
     from .sets import DEFAULT_MAX_FILE_BYTES, write_set
 
     folder = Path(folder)
@@ -321,6 +325,7 @@ def write_hf_folder(state: Mapping[str, torch.Tensor], config: ModelConfig, fold
     hf_config = hf_config_from(config)
     hf_config.architectures = ["MixtralForCausalLM" if config.is_moe else "LlamaForCausalLM"]
     hf_config.dtype = "float32"
+    hf_config.bos_token_id, hf_config.eos_token_id = bos_id, eos_id
     hf_config.save_pretrained(str(folder))
     tensors = {k: v.detach().float().contiguous() for k, v in state_dict_to_hf(state, config).items()}
     write_set(folder, tensors, step=step, max_file_bytes=max_file_bytes or DEFAULT_MAX_FILE_BYTES)

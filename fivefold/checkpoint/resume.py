@@ -1,5 +1,5 @@
 """Saving a run's state during training, resuming from the newest usable checkpoint, and
-stopping cleanly on SIGTERM.
+stopping cleanly on SIGTERM or Ctrl-C.
 
 The data sampler is a pure function of the step (fivefold/data/sources.py) and the learning rate a
 pure function of the step and the train config, so saving the step restores both. RNG
@@ -159,26 +159,37 @@ def resume_newest(model: Any, root: Path) -> tuple[int, Path | None]:
 
 
 class StopRequest:
-    """Turns SIGTERM into a request to checkpoint and stop after the current step.
+    """Turns SIGTERM and SIGINT (Ctrl-C) into a request to checkpoint and stop after the current step.
 
     Ranks may receive the signal at different steps, so `agreed` takes the maximum over the
     world: all ranks stop after the same step, and all take part in the final checkpoint.
+    A second Ctrl-C raises KeyboardInterrupt at once, as the launcher kills at a second signal.
     """
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
     def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-        except ValueError:  # not the main thread (e.g. inside a test harness): no handler
-            self._previous = None
+        self.signum = 0  # the first signal received; 0 while none
+        self._previous: dict[int, Any] = {}
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (e.g. inside a test harness): no handler
+                pass
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.requested = True
+        if self.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop without waiting for the checkpoint
+        self.signum = self.signum or signum
 
     def agreed(self, model: Any) -> bool:
         return bool(agree_max(int(self.requested), model))
 
     def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            if previous is not None:  # None: a handler installed outside Python, which cannot be restored
+                signal.signal(sig, previous)

@@ -28,6 +28,7 @@ from .textfiles import DataError
 
 FORMAT = "fivefold-tokens-1"
 MANIFEST = "manifest.json"
+PLAN = "plan.json"  # written first by `data prepare`; the manifest, written last, marks it finished
 VERIFIED = ".verified.json"  # cache of checked shard checksums, keyed by size and mtime
 
 
@@ -49,6 +50,14 @@ def sha256_of(path: Path, block: int = 1 << 22) -> str:
 
 def is_prepared(path: Path) -> bool:
     return (path / MANIFEST).is_file()
+
+
+def check_not_unfinished(path: Path, what: str = "data.source") -> None:
+    """Refuse a folder where `data prepare` started but did not finish (a plan, no manifest),
+    naming the fix, instead of reading it as a folder of text files."""
+    if (path / PLAN).is_file() and not is_prepared(path):
+        raise DataError(f"{what}={path} is a preparation that did not finish (no {MANIFEST}; interrupted or out of "
+                        f"disk space): run the same `fivefold data prepare ... --out {path}` again to finish it")
 
 
 def read_manifest(root: Path) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 from .blend import BlendedSampler, parse_blend
 from ..config import Config
 from .sources import DataError, Sampler, TokenData, load_text, load_tokenizer, load_tokens
-from .indexed import IndexedDataset, is_prepared
+from .indexed import IndexedDataset, check_not_unfinished, is_prepared
 from .packing import PackedSampler, StepSampler, split_by_documents
 
 
@@ -52,11 +52,13 @@ def prepared_sources(config: Config) -> list[tuple[float, Path]] | None:
     blend = parse_blend(config.data.source)
     if blend is not None:
         for _, path in blend:
+            check_not_unfinished(Path(path), "data.source: blend member")
             if not is_prepared(Path(path)):
                 raise DataError(f"data.source: blend member {path} is not a prepared dataset (no manifest.json); "
                                 f"run `fivefold data prepare ... --out {path}` first")
         return [(w, Path(p)) for w, p in blend]
     folder = Path(config.data.source)
+    check_not_unfinished(folder)
     return [(1.0, folder)] if config.data.source != "embedded" and is_prepared(folder) else None
 
 

@@ -23,23 +23,24 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import errno
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from .textfiles import DataError, jsonl_documents, read_text_file
-from .indexed import FORMAT, MANIFEST, sha256_of, shard_name, token_dtype
+from .indexed import FORMAT, MANIFEST, PLAN, sha256_of, shard_name, token_dtype
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".csv", ".json")
 TXT_FILES_PER_UNIT = 256
 ROWS_PER_UNIT = 20_000
-PLAN = "plan.json"
 WELL_KNOWN_EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>")
 
 
@@ -278,6 +279,32 @@ def _record_path(out: Path, index: int) -> Path:
     return out / f"{shard_name(index)}.json"
 
 
+class PrepareWriteError(OSError):
+    """A shard or the manifest could not be written (a full disk, most often); the message says what to do."""
+
+
+def _write_failure(path: Path, err: OSError) -> PrepareWriteError:
+    # numpy's tofile reports a short write as "N requested and M written", without an errno
+    full = err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or "requested and" in str(err)
+    reason = "the disk is full" if full else (err.strerror or str(err))
+    return PrepareWriteError(f"could not write {path} ({reason}); nothing partial was kept: free space and run the "
+                             "same `fivefold data prepare` again, which keeps the shards already finished")
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write` into a temporary file renamed over `path`: a reader never sees half a file, and a
+    failed or interrupted write leaves nothing behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and not isinstance(err, PrepareWriteError):
+            raise _write_failure(path, err) from None
+        raise
+
+
 def write_shard(job: Job) -> dict[str, Any]:
     """Tokenize one unit into shard `job.index`: files first, the record last (the commit)."""
     out = Path(job.out)
@@ -287,14 +314,17 @@ def write_shard(job: Job) -> dict[str, Any]:
     record = {"name": name, "tokens": int(len(tokens)), "documents": int(len(ends)), "empty_documents": len(docs) - len(ends),
               "longest_document": int(np.diff(ends, prepend=0).max()) if len(ends) else 0}
     for suffix, array in ((".bin", tokens), (".idx", ends.astype(np.int64))):
-        tmp = out / f"{name}{suffix}.tmp"
-        array.tofile(tmp)
-        os.replace(tmp, out / f"{name}{suffix}")
+        write_atomically(out / f"{name}{suffix}", array.tofile)
         record["sha256_" + suffix[1:]] = sha256_of(out / f"{name}{suffix}")
-    tmp = out / f"{name}.json.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, _record_path(out, job.index))
+    text = json.dumps(record)
+    write_atomically(_record_path(out, job.index), lambda tmp: tmp.write_text(text))
     return record
+
+
+def remove_leftovers(out: Path) -> None:
+    """Temporary files of writes cut short (a killed worker cannot clean up after itself)."""
+    for tmp in out.glob("*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def finished_record(out: Path, index: int, itemsize: int) -> dict[str, Any] | None:
@@ -320,7 +350,8 @@ def _check_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
     if overwrite:
         for stale in list(out.glob("shard_*")) + [out / MANIFEST]:
             stale.unlink(missing_ok=True)
-    path.write_text(json.dumps(plan, indent=1))
+    text = json.dumps(plan, indent=1)
+    write_atomically(path, lambda tmp: tmp.write_text(text))
 
 
 def _progress(total: int, enabled: bool):
@@ -334,8 +365,18 @@ def _run_jobs(jobs: list[Job], workers: int) -> Iterator[dict[str, Any]]:
     if workers <= 1 or len(jobs) <= 1:
         yield from map(write_shard, jobs)
         return
-    with get_context("spawn").Pool(workers) as pool:  # spawn: no forked copy of torch's threads
+    # spawn: no forked copy of torch's threads. Workers ignore Ctrl-C, which the terminal sends to
+    # them too: the main process alone stops (terminating them) and reports it, in one line.
+    with get_context("spawn").Pool(workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         yield from pool.imap_unordered(write_shard, jobs)
+
+
+class PrepareInterrupted(Exception):
+    """Ctrl-C during the preparation: the shards finished so far are kept for the next run."""
+
+    def __init__(self, out: Path, finished: int, total: int) -> None:
+        super().__init__(f"interrupted: {finished} of {total} shards are finished and kept in {out}; run the same "
+                         "`fivefold data prepare` again to continue (training refuses the folder until then)")
 
 
 @dataclass
@@ -367,18 +408,26 @@ def prepare(
         raise DataError(f"--out {out} is a file; give a folder")
     out.mkdir(parents=True, exist_ok=True)
     plan = {"format": FORMAT, "tokenizer": tok.identity(), "field": field, "split": split, "units": [asdict(u) for u in units]}
+    remove_leftovers(out)
     _check_plan(out, plan, overwrite)
     itemsize = token_dtype(tok.vocab_size).itemsize
     records = {i: r for i in range(len(units)) if (r := finished_record(out, i, itemsize)) is not None}
     jobs = [Job(i, u, tok, field, split, str(out)) for i, u in enumerate(units) if i not in records]
     workers = min(workers or os.cpu_count() or 1, max(1, len(jobs)))
     new_tokens = 0
-    with _progress(len(units), show_progress) as progress:
-        task = progress.add_task("prepare", total=len(units), completed=len(records), tps=0.0)
-        for record in _run_jobs(jobs, workers):
-            records[int(record["name"].split("_")[1])] = record
-            new_tokens += record["tokens"]
-            progress.update(task, advance=1, tps=new_tokens / (time.perf_counter() - start))
+    try:
+        with _progress(len(units), show_progress) as progress:
+            task = progress.add_task("prepare", total=len(units), completed=len(records), tps=0.0)
+            for record in _run_jobs(jobs, workers):
+                records[int(record["name"].split("_")[1])] = record
+                new_tokens += record["tokens"]
+                progress.update(task, advance=1, tps=new_tokens / (time.perf_counter() - start))
+    except KeyboardInterrupt:
+        remove_leftovers(out)  # the pool's workers are terminated by now
+        raise PrepareInterrupted(out, len(records), len(units)) from None
+    except OSError:
+        remove_leftovers(out)  # of the other workers, terminated while writing
+        raise
     ordered = [records[i] for i in range(len(units))]
     write_manifest(out, tok, ordered, inputs)
     return PrepareResult(out, sum(r["tokens"] for r in ordered), sum(r["documents"] for r in ordered), len(ordered),
@@ -400,9 +449,8 @@ def write_manifest(out: Path, tok: TokenizerSpec, records: list[dict[str, Any]],
         "inputs": [str(Path(i).resolve()) for i in inputs],
         "shards": [{k: r[k] for k in ("name", "tokens", "documents", "sha256_bin", "sha256_idx")} for r in records],
     }
-    tmp = out / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST)
+    text = json.dumps(manifest, indent=1)
+    write_atomically(out / MANIFEST, lambda tmp: tmp.write_text(text))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -428,9 +476,13 @@ def run_data_cli(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 0:
         raise DataError(f"--workers {args.workers} must be 0 (every core) or more")
-    result = prepare(args.inputs, args.out, args.tokenizer, args.field, args.workers, args.split,
-                     use_bos=not args.no_bos, eos_token=args.eos_token, overwrite=args.overwrite,
-                     show_progress=sys.stderr.isatty())
+    try:
+        result = prepare(args.inputs, args.out, args.tokenizer, args.field, args.workers, args.split,
+                         use_bos=not args.no_bos, eos_token=args.eos_token, overwrite=args.overwrite,
+                         show_progress=sys.stderr.isatty())
+    except (PrepareInterrupted, KeyboardInterrupt) as err:  # KeyboardInterrupt: before the shards started
+        print(f"fivefold: {str(err) or 'interrupted before any shard was written'}", file=sys.stderr)
+        return 128 + signal.SIGINT
     reused = f" ({result.reused} finished shards kept)" if result.reused else ""
     print(f"{result.out}: {result.tokens:,} tokens in {result.documents:,} documents, {result.shards} shards{reused}; "
           f"{result.tokens_per_s:,.0f} tokens/s")

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import RUNTIME_BUFFERS, CheckpointError, final_weights_of, read_final_weights
+from ..checkpoint import (
+    RUNTIME_BUFFERS,
+    CheckpointError,
+    checkpoint_root,
+    final_weights_of,
+    list_checkpoints,
+    read_final_weights,
+)
 from ..config import Config
 from ..data.sources import load_tokenizer
 from ..model import Transformer
@@ -16,6 +23,28 @@ from ..parallel.mesh import device_for, unavailable_device
 
 class RunDirError(ValueError):
     """A run directory without usable weights; the message says what is missing."""
+
+
+class DivergedWeightsError(RunDirError):
+    """Weights (or the logits they give) hold NaN or inf: sampling from them has no meaning."""
+
+
+def earlier_weights_hint(run_dir: Path) -> str:
+    """What to sample from instead: the run's checkpoints, exported, or a retrain from one."""
+    steps = [p.name for p in list_checkpoints(checkpoint_root(run_dir))]
+    if not steps:
+        return "the run kept no checkpoint: train again with a lower --train.lr or --train.grad_clip"
+    return (f"its checkpoints ({', '.join(steps[:5])}) may be finite: export one "
+            f"(fivefold convert export --run-dir {run_dir} --step N --out DIR) or resume from it with a lower --train.lr")
+
+
+def check_finite_weights(run_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    """Refuse weights holding NaN/inf, naming the first such tensor; a diverged run samples garbage or crashes."""
+    bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise DivergedWeightsError(f"the weights in {run_dir} hold NaN or inf ({bad[0]}{more}): training diverged; "
+                                   f"{earlier_weights_hint(run_dir)}")
 
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a signed 64-bit seed
@@ -53,6 +82,7 @@ def load_trained(run_dir: str | Path, device: torch.device = torch.device("cpu")
     if not (run_dir / "config.json").is_file():
         raise RunDirError(f"{run_dir / 'config.json'} is missing; train first (fivefold train --run-dir {run_dir})")
     config, state = read_final_weights(run_dir)
+    check_finite_weights(run_dir, state)
     with torch.device("meta"):
         model = Transformer(config.model)
     model.to_empty(device=device)
@@ -74,6 +104,10 @@ def sample(
     for _ in range(max_new_tokens):
         logits, _ = model(ids[:, -limit:])
         logits = logits[0, -1].float() / max(temperature, 1e-5)
+        if not bool(torch.isfinite(logits).all()):
+            # finite weights can still overflow (e.g. in half precision); multinomial would crash on them
+            raise DivergedWeightsError("the model's logits hold NaN or inf although its weights are finite; "
+                                       "sample on --device cpu, or from an earlier checkpoint")
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             logits[logits < kth] = -float("inf")

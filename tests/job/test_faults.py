@@ -279,6 +279,20 @@ def test_sigterm_to_the_launcher_stops_every_process_and_keeps_the_checkpoint(tm
     assert json.loads((job.run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step - 1
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signalled_single_process_run_checkpoints_and_exits_as_the_launcher_does(tmp_path, sig):
+    """Ctrl-C or SIGTERM to a one-process `fivefold train`: a checkpoint after the current step, one
+    line naming the signal and --resume, no traceback, and 128 + the signal as a dp=2 job exits."""
+    job = TrainJob(tmp_path, tmp_path / "single", "dp=1", "--train.steps", "5000")
+    wait_for(lambda: metrics_lines(job.run_dir) >= 1, 120, "the first step", job)
+    job.proc.send_signal(sig)
+    assert job.wait(timeout=60) == 128 + sig, job.stderr()
+    assert "Traceback" not in job.stderr() and "--resume" in job.stderr(), job.stderr()
+    step = newest_step(job.run_dir)
+    assert step >= 1 and not (job.run_dir / "model.safetensors").exists()
+    assert json.loads((job.run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step - 1
+
+
 def test_sigkill_to_the_launcher_leaves_no_orphans(tmp_path):
     job = TrainJob(tmp_path, tmp_path / "orphans", "dp=2", "--train.steps", "500")
     wait_for(lambda: len(rank_pids(job.proc.pid)) == 2, 120, "the ranks", job)
