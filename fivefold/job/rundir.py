@@ -290,6 +290,15 @@ def saved_run_config(run_dir: Path) -> Config | None:
     return None
 
 
+def _kept_before(step: int | None, start: int) -> bool:
+    """A row without a step (not a step's record) is kept; a step's row only before `start`."""
+    return step is None or step < start
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(lines))
+
+
 def supersede_metrics(run_dir: Path, start: int) -> int:
     """Drop the metrics.jsonl rows of steps `start` and later, which a run resumed at `start` trains
     again: the file never repeats a step. Returns how many rows were dropped."""
@@ -297,9 +306,9 @@ def supersede_metrics(run_dir: Path, start: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text(errors="replace").splitlines(keepends=True)
-    kept = [line for line in lines if _logged_step(line) is None or _logged_step(line) < start]
+    kept = [line for line in lines if _kept_before(_logged_step(line), start)]
     if len(kept) < len(lines):
-        atomic_write(path, lambda side: side.write_text("".join(kept)))
+        atomic_write(path, lambda side: _write_lines(side, kept))
     return len(lines) - len(kept)
 
 
