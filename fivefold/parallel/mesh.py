@@ -279,6 +279,13 @@ class Mesh:
         axes = {name: Axis(name, None, 1, 0, [0], stats, device_type) for name in AXES}
         return cls(layout, axes, None, stats)
 
+    @staticmethod
+    def groups_key(layout: Layout) -> tuple:
+        """What the groups `build` creates depend on: two layouts with the same key get the same
+        groups (so a mesh may be reused across them), whatever else (schedule, recompute...) differs."""
+        hybrid_shard = layout.shard_degree if is_hybrid(layout) else None
+        return (layout.pp, layout.dp, layout.cp, layout.tp, layout.ep, hybrid_shard)
+
     @classmethod
     def build(cls, layout: Layout, device_type: str = "cpu") -> "Mesh":
         """Create every group of `layout`; must be called by all ranks of the default group.

@@ -120,7 +120,7 @@ class WorkerContext:
         """The Mesh of `layout`, built once per worker (group creation is collective and slow)."""
         from ..parallel.mesh import Mesh
 
-        key = (layout.pp, layout.dp, layout.cp, layout.tp, layout.ep)
+        key = Mesh.groups_key(layout)
         if key not in self._meshes:
             self._meshes[key] = Mesh.build(layout)
         mesh = self._meshes[key]

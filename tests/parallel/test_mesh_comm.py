@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fivefold.config import Layout
+from fivefold.parallel.mesh import Mesh
 from fivefold.rules.layout import group_ranks
 
 
@@ -27,6 +28,24 @@ def test_mesh_groups_match_rank_order(pools):
             assert ranks == expected, (rank, axis)
     assert results[0]["tp"] == [0, 1]  # tensor-parallel ranks are neighbours
     assert results[0]["pp"] == [0, 4]
+
+
+def _shard_groups(ctx, layout: Layout):
+    mesh = ctx.mesh(layout)
+    return mesh["dp_cp_shard"].ranks, mesh["dp_cp_rep"].ranks
+
+
+def test_a_worker_mesh_is_rebuilt_when_the_hybrid_groups_change(pools):
+    """The pool keeps one mesh per worker and layout shape; flat ZeRO-3 and hybrid sharding over
+    the same degrees have different groups, so the second must not reuse the first's."""
+    flat = Layout(dp=4, zero=3)
+    hybrid = Layout(dp=4, dp_shard=2, zero=3)
+    assert pools.run(4, _shard_groups, flat)[1] == ([0, 1, 2, 3], [1])
+    for rank, (shard, replicas) in enumerate(pools.run(4, _shard_groups, hybrid)):
+        assert shard == next(g for g in group_ranks(hybrid, "dp_cp_shard") if rank in g), rank
+        assert replicas == next(g for g in group_ranks(hybrid, "dp_cp_rep") if rank in g), rank
+    # without ZeRO there is nothing to shard: the groups are the flat ones
+    assert Mesh.groups_key(Layout(dp=4, dp_shard=2, zero=0)) == Mesh.groups_key(flat)
 
 
 def _collectives(ctx):
