@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--world-size", type=int, default=None, help="processes for --layout auto")
     train.add_argument(
         "--overwrite", action="store_true",
-        help="replace the run already in --run-dir (its metrics, checkpoints and weights are deleted); "
+        help="replace the run already in --run-dir (what a run wrote there is deleted, other files are kept); "
         "without it, or --resume, a run folder that is not empty is refused",
     )
     train.add_argument(

@@ -153,3 +153,29 @@ def test_a_misspelled_setting_names_the_fix(argv, words, tmp_path):
     code, out, err = cli("train", "--config", "tiny", *argv, "--run-dir", "run", cwd=tmp_path)
     assert code == 2 and words in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_overwrite_deletes_what_a_run_wrote_and_keeps_the_users_files(tmp_path):
+    from fivefold.job.rundir import is_run_output
+
+    run = train(tmp_path, "run", "--train.steps", "2", "--checkpoint.interval", "1")
+    written = sorted(p.name for p in run.iterdir() if p.name != ".lock")
+    assert written and all(is_run_output(name) for name in written), written  # the list knows every output
+    (run / "notes.txt").write_text("mine")
+    (run / "analysis").mkdir()
+    (run / "analysis" / "plot.py").write_text("mine too")
+    code, out, err = cli("train", *SMALL, "--run-dir", "run", "--overwrite", "--train.steps", "1", cwd=tmp_path)
+    assert code == 0, out + err
+    assert "--overwrite: kept analysis, notes.txt in run (not written by a run)" in out
+    assert (run / "notes.txt").read_text() == "mine" and (run / "analysis" / "plot.py").read_text() == "mine too"
+    assert logged_steps(run) == [0] and not (run / "checkpoints").exists()
+
+
+def test_import_into_a_folder_holding_a_run_is_refused_and_changes_nothing(tmp_path):
+    run = train(tmp_path, "run", "--train.steps", "1")  # final weights, no checkpoint
+    assert cli("convert", "export", "--run-dir", "run", "--out", "hf", cwd=tmp_path)[0] == 0
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, out, err = cli("convert", "import", "--hf", "hf", "--run-dir", "run", cwd=tmp_path)
+    assert code != 0 and "Traceback" not in err
+    assert "run is not empty" in err and "import into a new or empty --run-dir" in err
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

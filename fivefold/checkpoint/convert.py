@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..config import Config, ModelConfig, check_values, config_from_dict
+from ..job.rundir import existing_entries
 from ..parallel.sharding import ShardSpec
 from .errors import CheckpointError, CorruptCheckpoint
 from .format import (
@@ -263,9 +264,8 @@ def import_hf(hf_dir: Path, run_dir: Path, base: str = "tiny") -> Path:
     from .hf import read_hf_folder
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    check_import_target(run_dir)
     root = checkpoint_root(run_dir)
-    if list_checkpoints(root):
-        raise CheckpointError(f"{run_dir} already has checkpoints; import into a new run directory")
     model_config, state = read_hf_folder(hf_dir)
     check_import_shapes(state, model_config, hf_dir)
     config = load_config(base)
@@ -281,6 +281,18 @@ def import_hf(hf_dir: Path, run_dir: Path, base: str = "tiny") -> Path:
     meta = {"step": 0, "optimizer_steps": 0, "has_optimizer": False, "config": config.to_dict()}
     commit(tmp, step_dir(root, 0), 1, meta)
     return run_dir
+
+
+def check_import_target(run_dir: Path) -> None:
+    """An import starts a run: only in a new or empty folder, so it never writes over a run (its
+    weights, metrics and checkpoints) or a user's files."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CheckpointError(f"--run-dir {run_dir} is a file; give a new or empty folder")
+    entries = existing_entries(run_dir)
+    if entries:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise CheckpointError(f"{run_dir} is not empty ({shown}); import into a new or empty --run-dir "
+                              "(an import never writes over a run or other files)")
 
 
 def check_import_shapes(state: dict[str, torch.Tensor], model_config: ModelConfig, hf_dir: Path) -> None:

@@ -6,8 +6,9 @@ A run folder holds one run's metrics, checkpoints and final weights. Three rules
   host, removed at the end) refuses a second run into the same folder while the first is
   alive; the kernel drops the lock when its holder dies, so a crashed run never blocks the next;
 - a folder that already holds something is refused unless the run continues it (`--resume`)
-  or replaces it (`--overwrite`, which empties a previous run's folder first, and refuses a
-  folder that does not look like a run, so a mistyped `--run-dir ~` deletes nothing);
+  or replaces it (`--overwrite`, which deletes a previous run's outputs first, keeps any other
+  file, and refuses a folder that does not look like a run, so a mistyped `--run-dir ~` deletes
+  nothing);
 - a resumed run continues the folder's own config (config.json, or the config.toml that
   `convert import` writes) unless `--config` names another;
 - files a reader may open at any time (config.json, an index) are written to a side file,
@@ -24,6 +25,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import fnmatch
 import json
 import os
 import re
@@ -37,6 +39,14 @@ from ..config import Config, config_from_dict, load_config
 LOCK_FILE = ".lock"
 RUNS_ROOT = Path("runs")
 RUN_MARKERS = ("metrics.jsonl", "checkpoints", "model.safetensors", "config.toml")
+# Everything a run, its launcher, its report or `convert import` writes into a run folder (shell
+# patterns): what --overwrite deletes. Anything else in the folder is the user's and is kept.
+RUN_OUTPUTS = (
+    "config.json", "config.toml", "metrics.jsonl", "prediction.json", "hosts.json", "malloc.json", "trace.json",
+    "timeline.png", "tokenizer.json", "checkpoints", "flight_records", "tensorboard", "profile", "report",
+    "model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors",
+    ".tmp_final_weights", ".replaced_weights",
+)
 
 
 class RunFolderError(ValueError):
@@ -187,7 +197,12 @@ def looks_like_run(run_dir: Path) -> bool:
     return isinstance(saved, dict) and {"model", "layout", "train"} <= set(saved)
 
 
-def _empty(run_dir: Path, entries: list[str]) -> None:
+def is_run_output(name: str) -> bool:
+    """Whether an entry of a run folder is something a run writes (`RUN_OUTPUTS`)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_OUTPUTS)
+
+
+def _delete(run_dir: Path, entries: list[str]) -> None:
     for name in entries:
         path = run_dir / name
         if path.is_dir() and not path.is_symlink():
@@ -218,7 +233,10 @@ def check_contents(run_dir: Path, resume: bool, overwrite: bool) -> None:
             f"--overwrite deletes a previous run, but {run_dir} does not hold one ({shown}); "
             "choose another --run-dir"
         )
-    _empty(Path(run_dir), entries)
+    _delete(Path(run_dir), [name for name in entries if is_run_output(name)])
+    kept = [name for name in entries if not is_run_output(name)]
+    if kept:
+        print(f"--overwrite: kept {', '.join(kept)} in {run_dir} (not written by a run)", flush=True)
 
 
 def claim(run_dir: Path, resume: bool, overwrite: bool, check: bool = True) -> RunLock:

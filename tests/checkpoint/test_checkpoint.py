@@ -336,7 +336,7 @@ def test_export_loads_in_transformers_with_same_logits_and_import_starts_a_run(d
     # Import the exported folder as the starting weights of a new run (fresh optimizer).
     new_run = tmp_path / "finetune"
     assert main(["convert", "import", "--hf", str(tmp_path / "hf"), "--run-dir", str(new_run)]) == 0
-    with pytest.raises(CheckpointError, match="already has checkpoints"):  # never overwrites a run
+    with pytest.raises(CheckpointError, match="is not empty"):  # never overwrites a run
         import_hf(tmp_path / "hf", new_run)
     imported = load_config(str(new_run / "config.toml"))
     fresh = fresh_model(imported)
