@@ -259,11 +259,22 @@ def _check_pipeline(layout: Layout, model: ModelConfig, num_micro: int) -> None:
         )
     check_chunk_schedule(layout.pp_schedule, vpp)
     if layout.pp_schedule == "interleaved" and pp > 1 and num_micro % pp:
-        ok = [m for m in range(pp, 4 * pp + 1, pp)]
         raise LayoutError(
             f"the interleaved schedule needs a number of micro-batches that is a multiple of pp={pp}, got "
-            f"{num_micro}; use grad_accum in {ok} (global_batch = dp x micro_batch x grad_accum)"
+            f"{num_micro}; " + _interleaved_batching_advice(layout)
         )
+
+
+def _interleaved_batching_advice(layout: Layout) -> str:
+    """grad_accum values the batch allows (each a multiple of pp and a divisor of the sequences per
+    data-parallel rank), or, when there is none, the global batches that would allow one."""
+    per_rank = layout.micro_batch * layout.grad_accum
+    ok = [m for m in divisors(per_rank) if m % layout.pp == 0]
+    if ok:
+        return (f"use grad_accum in {ok} with micro_batch = {per_rank} / grad_accum, or unset "
+                "(global_batch = dp x micro_batch x grad_accum)")
+    return (f"no grad_accum can: the {per_rank} sequences per data-parallel rank are not a multiple of pp={layout.pp}; "
+            f"use a train.global_batch that is a multiple of dp x pp = {layout.dp * layout.pp}")
 
 
 def check_chunk_schedule(schedule: str, vpp: int, schedule_key: str = "layout.pp_schedule") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -87,7 +88,13 @@ BAD_LAYOUTS = [
     ({"layout.pp": 2, "layout.vpp": 2}, "needs layout.pp_schedule='interleaved'"),
     ({"layout.pp_schedule": "magic"}, "pp_schedule='magic' is unknown"),
     ({"layout.pp": 2, "layout.pp_schedule": "interleaved", "layout.vpp": 2, "layout.grad_accum": 1},
-     "multiple of pp=2"),
+     "multiple of pp=2, got 1; use grad_accum in [2, 4, 8] with micro_batch = 8 / grad_accum"),
+    # every value it suggests is accepted: none that the batch cannot split
+    ({"layout.pp": 2, "layout.pp_schedule": "interleaved", "layout.vpp": 2, "layout.grad_accum": 3,
+      "train.global_batch": 6}, "use grad_accum in [2, 6]"),
+    ({"layout.pp": 2, "layout.pp_schedule": "interleaved", "layout.vpp": 2, "layout.grad_accum": 1,
+      "train.global_batch": 3}, "no grad_accum can: the 3 sequences per data-parallel rank are not a multiple of "
+     "pp=2; use a train.global_batch that is a multiple of dp x pp = 2"),
     ({"layout.cp_algorithm": "teleport"}, "cp_algorithm='teleport' is unknown"),
     ({"layout.cp": 2, "train.seq_len": 30}, "seq_len=30 is not divisible by 4"),
     ({"layout.ep": 2, "layout.dp": 2}, "needs a Mixture-of-Experts model"),
@@ -106,7 +113,7 @@ BAD_LAYOUTS = [
 @pytest.mark.parametrize("overrides, message", BAD_LAYOUTS)
 def test_bad_layouts_are_rejected_with_a_fix(overrides, message):
     config = load_config("tiny", [f"{k}={v}" for k, v in overrides.items()])
-    with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)").replace("'", "'")):
+    with pytest.raises(LayoutError, match=re.escape(message)):
         validate(config)
 
 
@@ -169,3 +176,25 @@ def test_expert_indices():
 def test_layout_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Layout().dp = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_every_grad_accum_the_interleaved_refusal_suggests_is_accepted(pp):
+    import ast
+
+    for global_batch in range(1, 17):
+        for dp in (1, 2):
+            if global_batch % dp:
+                continue
+            base = ["model.layers=8", f"layout.pp={pp}", f"layout.dp={dp}", "layout.pp_schedule=interleaved",
+                    "layout.vpp=2", f"train.global_batch={global_batch}"]
+            refused = [acc for acc in range(1, global_batch // dp + 1) if (global_batch // dp) % acc == 0 and acc % pp]
+            for acc in refused:
+                with pytest.raises(LayoutError) as err:
+                    validate(load_config("tiny", [*base, f"layout.grad_accum={acc}"]))
+                found = re.search(r"use grad_accum in (\[[0-9, ]+\])", str(err.value))
+                if found is None:
+                    assert f"multiple of dp x pp = {dp * pp}" in str(err.value)
+                    continue
+                for suggested in ast.literal_eval(found.group(1)):
+                    validate(load_config("tiny", [*base, f"layout.grad_accum={suggested}"]))
