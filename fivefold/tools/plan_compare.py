@@ -20,6 +20,7 @@ it departs from one, what the cost model predicted for the layout the rule asks 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from ..planner.estimate import Estimate, estimate
 from ..planner.hardware import GiB, Hardware, get_hardware
 from ..planner.model_states import state_bytes, zero_model_states
 from ..planner.spec import LayoutSpec, ModelSpec, divisors
+from .plan_render import wrappable
 
 GB = 1e9  # the ZeRO paper states memory in decimal gigabytes
 LONG_SEQUENCE = 8192  # "序列长度超8k时：引入序列并行" (background article 2, section 6)
@@ -224,18 +226,25 @@ def axes_rows(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_
 def axes_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_batch: int) -> Table:
     table = Table(title=f"The five strategies on {gpus} x {hw.name}: {model.name}, sequence {model.seq_len}, "
                         f"global batch {global_batch} (the rest of the devices data parallel)")
-    for col in ("strategy", "splits", "collective", "layout", "GiB/device", "fits", "GB/step on its axis",
-                "step s", "when to use"):
-        table.add_column(col, overflow="fold", no_wrap=col == "layout")
+    table.add_column("strategy", overflow="fold")
+    table.add_column("layout", overflow="fold", ratio=1)
+    for col in ("GiB/device", "fits", "GB/step on its axis", "step s"):
+        table.add_column(col, justify="right")
     for row in axes_rows(model, gpus, hw, precision, global_batch):
-        head = (row["strategy"], row["splits"], row["collective"])
         if "error" in row:
-            table.add_row(*head, row["error"], "", "", "", "", row["when"])
+            table.add_row(row["strategy"], row["error"], "", "", "", "")
             continue
         e: Estimate = row["estimate"]
-        table.add_row(*head, row["layout"], f"{e.memory.total / GiB:.1f}", "yes" if e.fits else "no",
-                      f"{e.comm_bytes.get(row['axis'], 0) / GB:.2f}", f"{e.step_time_s:.3g}", row["when"])
+        table.add_row(row["strategy"], wrappable(row["layout"]), f"{e.memory.total / GiB:.1f}",
+                      "yes" if e.fits else "no", f"{e.comm_bytes.get(row['axis'], 0) / GB:.2f}", f"{e.step_time_s:.3g}")
     return table
+
+
+def axes_legend() -> list[str]:
+    """What each strategy splits, its collective and when to use it: the lines under the axes table
+    (as text, so that the table stays narrow enough for a terminal)."""
+    return [f"- {name}: splits {splits}; {collective}; use when {when}"
+            for name, _key, splits, collective, when in STRATEGIES]
 
 
 # -------------------------------------------------------------------------------------- hsdp
@@ -266,13 +275,17 @@ def _zero3_table(title: str, head_columns: tuple[str, ...], tail_columns: tuple[
                  tail) -> Table:
     """The common shape of the ZeRO-3 comparisons: the row's own columns, then memory and dp
     traffic, then `tail(estimate)` cells under `tail_columns`, then the step time."""
-    table = Table(title=title)
-    columns = (*head_columns, "states GiB/device", "GiB/device", "fits", "dp GB/step", "dp s/step", *tail_columns,
-               "step s")
+    # Short headers (units in the caption) keep the numbers on one line each in a narrow terminal.
+    table = Table(title=title, caption="per device: model states and total in GiB; per step: dp and pp traffic "
+                  "in GB, dp time and step time in s")
+    columns = (*head_columns, "states", "total", "fits", "dp GB", "dp s", *tail_columns, "step s")
     for col in columns:
-        table.add_column(col, no_wrap=True, justify="left" if col == "layout" else "right")
+        if col == "layout":
+            table.add_column(col, overflow="fold", ratio=1, min_width=16)
+        else:
+            table.add_column(col, justify="right", no_wrap=True)
     for row in rows:
-        head = (row["layout"], *(str(row[c]) for c in head_columns[1:]))
+        head = (wrappable(row["layout"]), *(str(row[c]) for c in head_columns[1:]))
         if "error" in row:
             table.add_row(*head, row["error"], *[""] * (len(columns) - len(head) - 1))
             continue
@@ -294,8 +307,8 @@ def hsdp_rows(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_
 def hsdp_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, global_batch: int) -> Table:
     title = (f"ZeRO-3 against hybrid sharding on {gpus} x {hw.name} ({hw.gpus_per_node} per node): "
              f"{model.name}, sequence {model.seq_len}, global batch {global_batch}")
-    rows = [{**row, "shard group": row["shard"]} for row in hsdp_rows(model, gpus, hw, precision, global_batch)]
-    return _zero3_table(title, ("layout", "shard group", "replicas"), (), rows, lambda e: ())
+    rows = hsdp_rows(model, gpus, hw, precision, global_batch)
+    return _zero3_table(title, ("layout", "shard", "replicas"), (), rows, lambda e: ())
 
 
 ZERO3_PP_DEGREES = (1, 2, 4, 8)  # up to a node's worth of stages; more only lengthens the bubble
@@ -315,7 +328,7 @@ def zero3_pp_table(model: ModelSpec, gpus: int, hw: Hardware, precision: str, gl
     title = (f"ZeRO-3 with and without pipeline parallelism on {gpus} x {hw.name}: {model.name}, "
              f"sequence {model.seq_len}, global batch {global_batch}, 1F1B")
     rows = zero3_pp_rows(model, gpus, hw, precision, global_batch)
-    return _zero3_table(title, ("layout",), ("pp GB/step", "bubble"), rows,
+    return _zero3_table(title, ("layout",), ("pp GB", "bubble"), rows,
                         lambda e: (f"{e.comm_bytes.get('pp', 0) / GB:.2f}", f"{e.bubble_fraction:.1%}"))
 
 
@@ -416,7 +429,7 @@ def run_compare(args, model: ModelSpec, hardware: str, out) -> int:
         raise PlanError("--compare prints tables only; drop --json (the numbers come from fivefold.tools.plan_compare's "
                         "zero_rows, schedule_rows and axes_rows in Python)")
     hw = get_hardware(hardware)
-    if not out.is_terminal:  # piped or captured: do not fold the tables to 80 columns
+    if not out.is_terminal and "COLUMNS" not in os.environ:  # piped to a file: a width that folds nothing
         out.width = max(out.width, 160)
     gpus = args.gpus or 8
     global_batch = args.global_batch or 8 * gpus
@@ -427,6 +440,7 @@ def run_compare(args, model: ModelSpec, hardware: str, out) -> int:
         return 0
     if args.compare == "axes":
         out.print(axes_table(model, gpus, hw, args.precision, global_batch))
+        out.print("\n".join(axes_legend()), highlight=False)
         return 0
     if args.compare == "hsdp":
         out.print(hsdp_table(model, gpus, hw, args.precision, global_batch))

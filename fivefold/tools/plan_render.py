@@ -17,15 +17,21 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f}"
 
 
+def wrappable(layout_text: str) -> str:
+    """A layout string as a table cell: a space after each comma, so a narrow terminal wraps it
+    between items and never inside one (`parse_layout` and --layout ignore the spaces)."""
+    return layout_text.replace(",", ", ")
+
+
 def format_table(candidates: list[tuple[LayoutSpec, Estimate]], top: int = 10) -> Table:
     """Ranked layouts: layout string, memory, time, throughput, MFU, bubble."""
     table = Table(title="fivefold plan: best layouts first")
     table.add_column("#", justify="right")
-    table.add_column("layout", overflow="fold")
+    table.add_column("layout", overflow="fold", ratio=1)
     for col in ("GiB", "step s", "tokens/s", "TFLOP/s", "MFU", "bubble"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for i, (lay, e) in enumerate(candidates[:top], 1):
-        table.add_row(str(i), lay.short(), _gib(e.memory.total), f"{e.step_time_s:.3g}",
+        table.add_row(str(i), wrappable(lay.short()), _gib(e.memory.total), f"{e.step_time_s:.3g}",
                       f"{e.tokens_per_s:,.0f}", f"{e.tflops_per_device:.0f}", f"{e.mfu:.1%}",
                       f"{e.bubble_fraction:.1%}")
     return table

@@ -72,7 +72,7 @@ def test_plan_compare_shows_zero3_with_and_without_pipeline_stages(capsys):
 
     assert run_plan_cli(["--compare", "zero3-pp", "--model", "llama3-70b", "--gpus", "64"]) == 0
     table = [line for line in capsys.readouterr().out.splitlines() if "zero=3" in line]
-    assert [line.split("│")[1].strip().split(",")[:3] for line in table] == [
+    assert [[item.strip() for item in line.split("│")[1].split(",")[:3]] for line in table] == [
         ["dp=64", "tp=1", "pp=1"], ["dp=32", "tp=1", "pp=2"], ["dp=16", "tp=1", "pp=4"], ["dp=8", "tp=1", "pp=8"]]
 
 
