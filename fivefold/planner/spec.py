@@ -49,6 +49,11 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+# The deepest model `plan` answers for within about a minute on a laptop CPU (1,024 layers on 64
+# devices); the stage balancing (rules/stages.py) grows with the square of the layers.
+MAX_PLANNED_LAYERS = 1024
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a decoder-only transformer. Unset widths take the arch's default.
@@ -79,6 +84,10 @@ class ModelSpec:
         _positive("ModelSpec", layers=self.layers, hidden=self.hidden, heads=self.heads,
                   vocab=self.vocab, seq_len=self.seq_len, top_k=self.top_k,
                   moe_every=self.moe_every)
+        if self.layers > MAX_PLANNED_LAYERS:
+            raise PlanError(f"ModelSpec.layers={self.layers:,} is more than the planner handles ({MAX_PLANNED_LAYERS:,}: it "
+                            "balances pipeline stages layer by layer, in time quadratic in the layers; published "
+                            f"models have under 200); plan a model of at most {MAX_PLANNED_LAYERS:,} layers")
         if self.arch not in ARCHS:
             raise UnknownNameError(f"ModelSpec.arch={self.arch!r} is unknown; use one of {choices(ARCHS)}")
         if self.hidden % self.heads:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from ..config import ModelConfig
 
 
@@ -43,46 +45,78 @@ def balanced_counts(costs: list[float], stages: int, last_extra: float = 0.0) ->
     `last_extra` is added to the last stage. Ties are broken by the sum of squared stage
     costs, so the load is spread as evenly as the bottleneck allows; among exact ties the
     earliest cut wins.
+
+    Dynamic programming over (stages, layers), each stage's row computed as numpy blocks of
+    (layer, cut) candidates, so a model of thousands of layers is cut in a second.
     """
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut {n} layers into {stages} stages of at least one layer")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[s][i]: (max, sum of squares, cut) for the first i layers in s stages
-    inf = (float("inf"), float("inf"), 0)
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = (0.0, 0.0, 0)
+    prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=np.float64))))
+    # (bottleneck, sum of squares) of the first i layers cut into s stages, and that cut's last cut
+    bottleneck, squares = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
+    bottleneck[0] = squares[0] = 0.0
+    cuts = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for s in range(1, stages + 1):
         extra = last_extra if s == stages else 0.0
-        for i in range(s, n - (stages - s) + 1):
-            best[s][i] = _best_cut(best[s - 1], prefix, s, i, extra)
+        ends = np.arange(s, n - (stages - s) + 1)
+        row = _stage_row(bottleneck, squares, prefix, s, ends, extra)
+        bottleneck, squares = np.full(n + 1, np.inf), np.full(n + 1, np.inf)
+        bottleneck[ends], squares[ends], cuts[s, ends] = row
     counts, i = [], n
     for s in range(stages, 0, -1):
-        j = best[s][i][2]
+        j = int(cuts[s, i])
         counts.append(i - j)
         i = j
     return counts[::-1]
 
 
-def _best_cut(prev: list[tuple], prefix: list[float], s: int, i: int, extra: float) -> tuple:
-    """(max, sum of squares, cut j) of the best s-th stage holding layers j..i-1.
+_BLOCK_CELLS = 1 << 22  # candidates compared at once (32 MiB per float64 matrix)
 
-    Candidates are visited from the shortest last stage up; once that stage alone costs
-    more than the best bottleneck found, every longer one does too (costs are
-    non-negative), so the scan stops. Equal candidates resolve to the smallest j.
-    """
-    best = (float("inf"), float("inf"), 0)
-    for j in range(i - 1, s - 2, -1):
-        cost = prefix[i] - prefix[j] + extra
-        if cost > best[0]:
-            break
-        p = prev[j]
-        candidate = (max(p[0], cost), p[1] + cost * cost, j)
-        if candidate[:2] <= best[:2]:
-            best = candidate
-    return best
+
+def _stage_row(bottleneck: np.ndarray, squares: np.ndarray, prefix: np.ndarray, s: int, ends: np.ndarray,
+               extra: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each i in `ends`: (bottleneck, sum of squares, cut j) of the best s-th stage holding
+    layers j..i-1 after the best s-1 stages of the first j layers; ties go to the smallest j.
+
+    A last stage costing more than the one-layer candidate's bottleneck cannot win, so each i
+    compares only the cuts under that bound (loosened by a relative 1e-9, so that rounding
+    never drops a contender)."""
+    one_layer = np.maximum(bottleneck[ends - 1], prefix[ends] - prefix[ends - 1] + extra)
+    slack = 1e-9 * np.maximum(np.abs(prefix[ends]), 1.0)
+    first = np.maximum(np.searchsorted(prefix, prefix[ends] + extra - one_layer - slack, side="left") - 1, s - 1)
+    out_b, out_sq, out_j = np.empty(len(ends)), np.empty(len(ends)), np.empty(len(ends), dtype=np.int64)
+    start = 0
+    while start < len(ends):
+        stop = _block_end(ends, first, start)
+        block = slice(start, stop)
+        out_b[block], out_sq[block], out_j[block] = _best_cuts(bottleneck, squares, prefix, ends[block],
+                                                               first[block], extra)
+        start = stop
+    return out_b, out_sq, out_j
+
+
+def _block_end(ends: np.ndarray, first: np.ndarray, start: int) -> int:
+    """The end of a block of rows from `start` whose (rows x cuts) matrix stays near `_BLOCK_CELLS`."""
+    stop = start + 1
+    while stop < len(ends) and (stop + 1 - start) * (ends[stop] - first[start]) <= _BLOCK_CELLS:
+        stop = min(len(ends), start + 2 * (stop - start))
+    return stop
+
+
+def _best_cuts(bottleneck: np.ndarray, squares: np.ndarray, prefix: np.ndarray, ends: np.ndarray,
+               first: np.ndarray, extra: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_stage_row` for one block of rows, as (rows x cuts) matrices."""
+    cut = np.arange(first.min(), ends.max())[None, :]
+    valid = (cut >= first[:, None]) & (cut < ends[:, None])
+    cost = (prefix[ends][:, None] - prefix[cut]) + extra
+    candidate_bottleneck = np.where(valid, np.maximum(bottleneck[cut], cost), np.inf)
+    candidate_squares = np.where(valid, squares[cut] + cost * cost, np.inf)
+    best = candidate_bottleneck.min(axis=1)
+    tied = candidate_bottleneck == best[:, None]
+    least = np.where(tied, candidate_squares, np.inf).min(axis=1)
+    chosen = np.argmax(tied & (candidate_squares == least[:, None]), axis=1)
+    return best, least, cut[0, chosen]
 
 
 def stage_layer_counts(model: ModelConfig, seq_len: int, pp: int, vpp: int = 1,
