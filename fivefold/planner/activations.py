@@ -116,7 +116,8 @@ def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str
         return [SavedTensor("layer.input", x.nrows * model.hidden, x.rb)]
     if model.arch == "gpt":
         return _gpt_attention(model, layout, x) + _gpt_mlp(model, x, moe)
-    return _llama_attention(model, layout, x) + _llama_mlp(model, x, moe, layout.ep)
+    attention = _mla_attention(model, layout, x) if model.is_mla else _llama_attention(model, layout, x)
+    return attention + _llama_mlp(model, x, moe, layout.ep)
 
 
 def activation_bytes_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
@@ -239,6 +240,26 @@ def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTenso
         # q, k and v are views of the all-to-all's q|k|v buffer (counted above); the output
         # comes back through an all-to-all, so the output projection's input is a storage of its own
         out.append(SavedTensor("o_proj.input", x.rows * qh * d, ab))
+    return out
+
+
+def _mla_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
+    """Multi-head latent attention (planner only), saved as fivefold's attention would save it:
+    each norm as `_rmsnorm`, each linear its input, the attention core q, k, v, out and
+    logsumexp at the heads' own widths (q/k: qk_nope + qk_rope, v: v_head_dim)."""
+    h, ab, qh = m.hidden, x.ab, m.heads // x.t
+    qk = m.qk_nope_dim + m.qk_rope_dim
+    out = _rmsnorm("attn_norm", x.nrows, h, x) + _linear_inputs("q_a_kv_a.input", x.rows, h, 2, x)
+    out += _rmsnorm("q_a_norm", x.rows, m.q_lora_rank, x) + _rmsnorm("kv_a_norm", x.rows, m.kv_lora_rank, x)
+    out += [SavedTensor("q_b.input", x.rows * m.q_lora_rank, ab),
+            SavedTensor("kv_b.input", x.rows * m.kv_lora_rank, ab),
+            SavedTensor("k_rope", x.rows * m.qk_rope_dim, ab),
+            SavedTensor("core.q", x.rows * qh * qk, ab),
+            SavedTensor("core.k", x.kv_rows * qh * qk, ab),
+            SavedTensor("core.v", x.kv_rows * qh * m.v_head_dim, ab),
+            SavedTensor("core.out_and_o_proj.input", x.rows * qh * m.v_head_dim, ab)]
+    if lay.recompute == "none":
+        out.append(SavedTensor("core.logsumexp", x.rows * qh, 4))
     return out
 
 

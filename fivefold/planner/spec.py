@@ -9,6 +9,10 @@
 * ``arch="llama"``: fivefold's own layer (RMSNorm, no biases, grouped-query attention with
   RoPE, SwiGLU MLP, optional Mixture-of-Experts MLP, untied head unless
   ``tied_embeddings``).
+
+With ``kv_lora_rank > 0`` the llama layer's attention is multi-head latent attention
+(DeepSeek-V2/V3, arXiv 2412.19437 Section 2.1.1), a planner-only shape: the runtime trains
+grouped-query attention (`ModelSpec.runtime_gaps` says so).
 """
 
 from __future__ import annotations
@@ -73,6 +77,16 @@ class ModelSpec:
     tied_embeddings: bool = False
     first_dense_layers: int = 0
     dropless: bool = True  # MoE routing without capacity (no token dropped)
+    # multi-head latent attention (planner only): low-rank query and key/value compression,
+    # per-head widths of the position-free and rotary parts of q/k, and of v
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    # node-limited routing (DeepSeek-V3 Section 2.1.2): each token's experts lie on at most
+    # this many nodes; 0 routes freely
+    route_nodes: int = 0
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +116,33 @@ class ModelSpec:
                             f"use top_k <= {self.num_experts}")
         if self.first_dense_layers > self.layers:
             raise PlanError(f"first_dense_layers={self.first_dense_layers} exceeds layers={self.layers}")
+        self._check_mla()
+        if not isinstance(self.route_nodes, int) or self.route_nodes < 0:
+            raise PlanError(f"ModelSpec.route_nodes must be a non-negative integer, got {self.route_nodes!r}")
+
+    def _check_mla(self) -> None:
+        widths = {"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                  "qk_nope_dim": self.qk_nope_dim, "qk_rope_dim": self.qk_rope_dim, "v_head_dim": self.v_head_dim}
+        for name, v in widths.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise PlanError(f"ModelSpec.{name} must be a non-negative integer, got {v!r}")
+        if self.kv_lora_rank and not (self.qk_nope_dim and self.qk_rope_dim and self.v_head_dim):
+            raise PlanError("multi-head latent attention (kv_lora_rank > 0) needs qk_nope_dim, qk_rope_dim "
+                            "and v_head_dim; set all three")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    def runtime_gaps(self) -> tuple[str, ...]:
+        """What of this shape ``fivefold train`` cannot train (the planner plans it anyway)."""
+        gaps = []
+        if self.arch == "gpt":
+            gaps.append("the GPT layer (LayerNorm, biases, GeLU): the runtime trains the llama layer")
+        if self.is_mla:
+            gaps.append("multi-head latent attention: the runtime trains grouped-query attention")
+        return tuple(gaps)
 
     # ---- derived widths -------------------------------------------------------------
     @property

@@ -89,6 +89,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     else:
         out.print(format_table(cands, top=args.top))
         out.print(text, highlight=False)
+        _print_runtime_gaps(model, out)
     return 0
 
 
@@ -105,7 +106,15 @@ def _one_layout(args: argparse.Namespace, model, hardware: str, out: Console) ->
         print(to_json(e))
     else:
         out.print(format_breakdown(e))
+        _print_runtime_gaps(model, out)
     return 0
+
+
+def _print_runtime_gaps(model, out: Console) -> None:
+    """Say which parts of a planned shape `fivefold train` cannot train: the plan is the
+    planner's alone there."""
+    for gap in model.runtime_gaps():
+        out.print(f"[bold yellow]planner only:[/] fivefold train cannot train {gap}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover - thin wrapper
