@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..rules.fp8 import FP8_BYTES, base_policy, is_fp8
 from ..rules.precision import PrecisionError, parse_policy
 from ..rules.precision import ElementBytes
 from ..rules.volumes import local_kv_heads, ulysses_kv_heads, vocab_rows_per_rank
@@ -78,7 +79,7 @@ class SavedTensor(NamedTuple):
 def activation_element_bytes(precision: str) -> ElementBytes:
     """Bytes per element of the residual stream and of matmul outputs under a precision policy."""
     try:
-        return parse_policy(precision).element_bytes()
+        return parse_policy(base_policy(precision)).element_bytes()
     except PrecisionError as err:
         raise UnknownNameError(str(err)) from None
 
@@ -117,7 +118,19 @@ def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str
     if model.arch == "gpt":
         return _gpt_attention(model, layout, x) + _gpt_mlp(model, x, moe)
     attention = _mla_attention(model, layout, x) if model.is_mla else _llama_attention(model, layout, x)
-    return attention + _llama_mlp(model, x, moe, layout.ep)
+    saved = attention + _llama_mlp(model, x, moe, layout.ep)
+    return _in_fp8(saved) if is_fp8(precision) else saved
+
+
+# Inputs kept only for the weight gradient of a linear layer that FP8 covers (`rules.fp8`):
+# FP8 keeps them in FP8 (DeepSeek-V3 Section 3.3.3). Outputs of the attention core, which the
+# core's own backward reads in 16 bits, are not among them.
+_FP8_CACHED = frozenset({"qkv.input", "q_a_kv_a.input", "q_b.input", "kv_b.input", "mlp.input", "experts.input",
+                         "mlp.down_input", "experts.down_input", "shared.down_input"})
+
+
+def _in_fp8(saved: list[SavedTensor]) -> list[SavedTensor]:
+    return [t._replace(bytes_per_element=FP8_BYTES) if t.name in _FP8_CACHED else t for t in saved]
 
 
 def activation_bytes_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
@@ -276,7 +289,7 @@ def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool, ep: int) -> list[SavedTensor]:
     if not moe:
         return (out + _linear_inputs("mlp.input", x.rows, h, 2, x) + _weight_casts(3 * h * (m.ffn // x.t), x)
                 + _swiglu("mlp", x.rows, m.ffn // x.t, ab))
-    out += [SavedTensor("mlp.input", x.rows * h, ab)]
+    out += [SavedTensor("router_and_shared.input", x.rows * h, ab)]  # the router's weight gradient reads it
     k, f, e = m.top_k, m.expert_ffn // x.t, m.num_experts
     slots = k * x.rows
     out += [SavedTensor("router.logits", x.rows * e, 4),

@@ -62,7 +62,7 @@ from .model_states import StateBytes, state_bytes, zero_model_states
 from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params
 from .pipeline import bubble_units, in_flight, in_flight_embedding, in_flight_output, stage_layers
 from .spec import LayoutSpec, ModelSpec
-from .validate import check_layout
+from .validate import check_layout, check_routing
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,12 @@ class _LayerCost:
     act_full: int         # saved bytes per micro-batch without recomputation
     mm: float             # matmul FLOPs per micro-batch and device (forward)
     attn: float           # attention FLOPs per micro-batch and device (forward, executed)
+    router_mm: float      # the part of ``mm`` in the MoE router, which FP8 leaves in 16 bits
+
+    def gemm_equivalent(self, fp8_speedup: float) -> float:
+        """``mm`` in FLOPs at the 16-bit rate: the linear layers FP8 covers (all but the
+        router, `rules.fp8`) run ``fp8_speedup`` times faster."""
+        return self.router_mm + (self.mm - self.router_mm) / fp8_speedup
 
 
 class CostCache:
@@ -169,7 +175,8 @@ class CostCache:
         key = (hw, moe, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.recompute, lay.cp_kind)
         if key not in self._comm:
             m, eb = self.model, activation_element_bytes(self.precision)
-            colls = tp_layers(m, lay, eb, 1) + (ep_layers(m, lay, eb, 1) + cp_moe_layers(m, lay, 1) if moe else [])
+            colls = tp_layers(m, lay, eb, 1) + (ep_layers(m, lay, eb, 1, hw.gpus_per_node, self.precision)
+                                             + cp_moe_layers(m, lay, 1) if moe else [])
             if lay.cp_kind != "ring":
                 colls += cp_layers(m, lay, eb, 1)
             self._comm[key] = sum(c.time(hw) for c in colls)
@@ -219,7 +226,8 @@ def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _Layer
         act_full = activation_bytes_per_layer(m, lay.with_states(lay.zero, "none"), precision, moe)
     tokens = lay.micro_batch * m.seq_len / lay.cp
     attn = 4.0 * tokens * m.seq_len * attention_width(m) / t  # the same count as the model FLOPs
-    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn)
+    router = 2.0 * tokens * m.hidden * m.num_experts if moe else 0.0  # replicated over tp
+    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn, router)
 
 
 @dataclass(frozen=True)
@@ -275,8 +283,10 @@ def estimate(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A
     is returned with ``fits=False``.
     """
     hw = get_hardware(hardware)
-    ctx = _context(model, layout, hw, precision, optimizer, cache)
     check_layout(model, layout, gpus, precision)
+    check_routing(model, layout, hw)
+    hw.fp8_speedup(precision)  # refuses FP8 on a device without it, before any costing
+    ctx = _context(model, layout, hw, precision, optimizer, cache)
     return estimate_valid(model, layout, hw, precision, optimizer, cache, ctx)
 
 
@@ -468,7 +478,7 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
 
     # ---- compute per micro-batch ----
     rate = hw.peak(ctx.precision) * hw.matmul_efficiency
-    mm = sum(c.mm * n for c, n in per)
+    mm = sum(c.gemm_equivalent(hw.fp8_speedup(ctx.precision)) * n for c, n in per)
     at = sum(c.attn * n for c, n in per)
     tokens = lay.micro_batch * m.seq_len / lay.cp
     head = 2.0 * tokens * head_block(m).matmul / t if last else 0.0
@@ -486,7 +496,7 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     inner = (tp_layers(m, lay, eb, n_layers * mbs) + tp_ends(m, lay, eb, first, last, mbs)
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
              + cp_layers(m, lay, eb, n_layers * mbs) + cp_moe_layers(m, lay, n_moe * mbs)
-             + ep_layers(m, lay, eb, n_moe * mbs) + pp_sends(m, lay, eb, s, tied))
+             + ep_layers(m, lay, eb, n_moe * mbs, hw.gpus_per_node, ctx.precision) + pp_sends(m, lay, eb, s, tied))
     keeps = lay.zero == 3 and n_layers and volumes.zero3_keeps_ends_gathered(lay.pp)
     kept = _kept_for_backward(ctx, first, last) if keeps else (0.0, 0.0)
     dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, kept, _finalized_params(ctx, s, n_dense, n_moe))
@@ -525,8 +535,9 @@ def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precisi
     t_mb = 0.0
     for moe, n in per:
         c = cache.layer(lay, moe)
-        recompute = {"none": 0.0, "selective": c.attn, "full": c.mm + c.attn}[lay.recompute]
-        flops = 3 * c.mm + 3 * c.attn + recompute
+        mm = c.gemm_equivalent(hw.fp8_speedup(precision))
+        recompute = {"none": 0.0, "selective": c.attn, "full": mm + c.attn}[lay.recompute]
+        flops = 3 * mm + 3 * c.attn + recompute
         t_mb += n * (flops / rate + 2.0 * passes * c.act_full / hw.hbm_bw + cache.pass_comm_s(lay, hw, moe))
     bubble = 0.0 if p == 1 else (p - 1) / (v if lay.schedule == "interleaved" else 1)
     if lay.schedule == "zb-h1":

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine, save it as the 'cpu' hardware, and plan for it")
     p.add_argument("--top", type=int, default=10, help="how many layouts to show")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
+                   help="fp8: the linear layers DeepSeek-V3 runs in FP8 at the FP8 peak, the rest as bf16")
     p.add_argument("--optimizer", default="adam", help="adam, adamw or sgd")
     p.add_argument("--compare", choices=("zero", "schedule", "axes", "hsdp", "zero3-pp"), default=None,
                    help="zero: memory per ZeRO stage; schedule: bubble and activations per pipeline schedule "

@@ -3,7 +3,10 @@ expert routing, DualPipeV, expert-load imbalance, and its published training run
 
 import pytest
 
-from fivefold.planner import LayoutSpec, ModelSpec, estimate
+from fivefold.planner import HARDWARE, LayoutSpec, ModelSpec, estimate
+from fivefold.planner.estimate import CostCache
+from fivefold.rules.node_routing import link_shares
+from fivefold.tools.plan_cli import run_plan_cli
 from fivefold.planner.activations import saved_tensors_per_layer
 from fivefold.planner.errors import PlanError
 from fivefold.planner.flops import attention_width
@@ -43,3 +46,69 @@ def test_mla_fields_are_checked():
 def test_runtime_gaps_name_what_fivefold_train_cannot_train():
     assert any("multi-head latent attention" in g for g in V3.runtime_gaps())
     assert MODELS["llama3-8b"].runtime_gaps() == ()
+
+
+# ---- FP8 GEMMs --------------------------------------------------------------------------
+
+SMALL_MOE = ModelSpec(arch="llama", layers=4, hidden=256, heads=4, ffn_hidden=512, vocab=512, seq_len=256,
+                      num_experts=8, top_k=2, expert_ffn_hidden=128)
+
+
+@pytest.mark.parametrize("name", ["H100-80GB", "H800", "H200"])
+def test_fp8_peaks_are_twice_bf16_on_hopper(name):
+    assert HARDWARE[name].fp8_speedup("fp8") == pytest.approx(2.0, rel=0.001) and HARDWARE[name].fp8_speedup("bf16") == 1.0
+
+
+def test_fp8_runs_the_covered_linears_twice_as_fast_and_not_the_router():
+    lay = LayoutSpec(micro_batch=1)
+    cost = CostCache(SMALL_MOE, "fp8").layer(lay, True)
+    assert cost.router_mm == 2 * 256 * 256 * 8
+    assert cost.gemm_equivalent(2.0) == cost.router_mm + (cost.mm - cost.router_mm) / 2
+    bf16 = estimate(SMALL_MOE, lay, "H800", "bf16")
+    fp8 = estimate(SMALL_MOE, lay, "H800", "fp8")
+    assert fp8.compute_time_s < bf16.compute_time_s
+    assert fp8.flops_per_step == bf16.flops_per_step and fp8.mfu > bf16.mfu  # MFU against the bf16 peak
+    assert fp8.memory.model_states == bf16.memory.model_states  # bf16 weights, fp32 master and moments
+
+
+def test_fp8_keeps_linear_inputs_and_sends_the_dispatch_in_one_byte():
+    lay = LayoutSpec(dp=2, ep=2, global_batch=2)
+    saved = {t.name: t for t in saved_tensors_per_layer(SMALL_MOE, lay, "fp8", moe=True)}
+    assert saved["experts.input"].bytes_per_element == 1
+    assert saved["router_and_shared.input"].bytes_per_element == 2  # the router stays in bf16
+    sends = {c.what: c.nbytes for c in estimate(SMALL_MOE, lay, "H800", "fp8").collectives if c.axis == "ep"}
+    routed = 256 * 2 * 256  # tokens x top_k x hidden
+    assert sends["dispatch"] == routed and sends["combine grad"] == routed
+    assert sends["combine"] == 2 * routed and sends["dispatch grad"] == 2 * routed
+
+
+# ---- node-aware expert all-to-all --------------------------------------------------------
+
+def test_link_shares_of_plain_and_node_limited_all_to_all():
+    plain = link_shares(top_k=8, ep=64, tp=1, gpus_per_node=8)
+    assert plain.intra == pytest.approx(7 / 64) and plain.inter == pytest.approx(7 / 8)
+    assert plain.intra + plain.inter == pytest.approx(63 / 64)  # every copy not for this rank, once
+    limited = link_shares(top_k=8, ep=64, tp=1, gpus_per_node=8, route_nodes=4)
+    assert limited.inter == pytest.approx(4 * 7 / 8 / 8)  # one copy per remote node reached
+    assert limited.intra == pytest.approx(7 / 8)  # forwarded inside the target nodes
+    assert link_shares(top_k=8, ep=8, tp=1, gpus_per_node=8) == (7 / 8, 0.0)
+
+
+def test_node_limited_routing_shortens_the_all_to_all():
+    lay = LayoutSpec(dp=16, ep=16, global_batch=16)
+    wide = SMALL_MOE.replace(num_experts=32, top_k=8)
+    free = estimate(wide, lay, "H800")
+    limited = estimate(wide.replace(route_nodes=1), lay, "H800")
+    assert limited.comm_time_s["ep"] < free.comm_time_s["ep"]
+
+
+def test_route_nodes_beyond_the_ep_group_is_refused_with_the_fix():
+    with pytest.raises(PlanError, match=r"route_nodes=4 exceeds the 1 node\(s\) an ep=8 group spans.*"
+                                        r"use route_nodes <= 1.*ep >= 32"):
+        estimate(V3, LayoutSpec(dp=8, ep=8, global_batch=8, pp=8), "H800")
+
+
+def test_plan_cli_refuses_route_nodes_beyond_the_ep_group_in_one_line(capsys):
+    code = run_plan_cli(["--model", "deepseek-v3", "--hardware", "H800", "--layout", "dp=8,ep=8,pp=8,zero=1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "use route_nodes <= 1" in err and "Traceback" not in err
