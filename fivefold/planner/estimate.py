@@ -60,7 +60,15 @@ from .flops import attention_width, hardware_flops_per_step, model_flops_per_ste
 from .hardware import Hardware, get_hardware
 from .model_states import StateBytes, state_bytes, zero_model_states
 from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params
-from .pipeline import bubble_units, in_flight, in_flight_embedding, in_flight_output, stage_layers
+from .pipeline import (
+    bubble_units,
+    dualpipev_compute_share,
+    dualpipev_exposed,
+    in_flight,
+    in_flight_embedding,
+    in_flight_output,
+    stage_layers,
+)
 from .spec import LayoutSpec, ModelSpec
 from .validate import check_layout, check_routing
 
@@ -477,7 +485,9 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     t, mbs, n_layers = lay.tp, lay.num_micro_batches, n_dense + n_moe
 
     # ---- compute per micro-batch ----
-    rate = hw.peak(ctx.precision) * hw.matmul_efficiency
+    dualpipev = lay.schedule == "dualpipev" and lay.pp > 1
+    share = dualpipev_compute_share(hw.sm_count, lay.ep) if dualpipev else 1.0
+    rate = hw.peak(ctx.precision) * hw.matmul_efficiency * share
     mm = sum(c.gemm_equivalent(hw.fp8_speedup(ctx.precision)) * n for c, n in per)
     at = sum(c.attn * n for c, n in per)
     tokens = lay.micro_batch * m.seq_len / lay.cp
@@ -507,6 +517,12 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     if lay.cp > 1 and lay.cp_kind == "ring":  # transfers hide behind attention, launches do not
         launches = sum(c.calls for c in inner if c.axis == "cp") * hw.intra_latency_s
         exposed["cp"] = max(launches, comm_time["cp"] - mbs * 3 * at / rate)
+    if dualpipev:  # expert and pipeline transfers hide behind the paired micro-batch's compute
+        hidden_axes = ("ep", "pp")
+        comm = sum(comm_time[a] for a in hidden_axes)
+        left = dualpipev_exposed(comm, mbs * (t_f + t_b + t_w), lay.pp, mbs)
+        for a in hidden_axes:
+            exposed[a] = comm_time[a] * left / comm if comm else 0.0
     dp_exp = _dp_exposed(dp, hw, mbs, max(n_layers, 1), t_f, t_b + t_w)
     optimizer_s = mem.optimizer / sb.optimizer * (2 * sb.optimizer + sb.param + sb.grad) / hw.hbm_bw
     colls = inner + dp
@@ -538,8 +554,10 @@ def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precisi
         mm = c.gemm_equivalent(hw.fp8_speedup(precision))
         recompute = {"none": 0.0, "selective": c.attn, "full": mm + c.attn}[lay.recompute]
         flops = 3 * mm + 3 * c.attn + recompute
-        t_mb += n * (flops / rate + 2.0 * passes * c.act_full / hw.hbm_bw + cache.pass_comm_s(lay, hw, moe))
-    bubble = 0.0 if p == 1 else (p - 1) / (v if lay.schedule == "interleaved" else 1)
+        hides_comm = lay.schedule == "dualpipev"  # may hide all of its expert all-to-alls
+        comm = 0.0 if hides_comm else cache.pass_comm_s(lay, hw, moe)
+        t_mb += n * (flops / rate + 2.0 * passes * c.act_full / hw.hbm_bw + comm)
+    bubble = 0.0 if p == 1 or lay.schedule == "dualpipev" else (p - 1) / (v if lay.schedule == "interleaved" else 1)
     if lay.schedule == "zb-h1":
         bubble /= 3
     return mbs * t_mb * (1 + bubble / mbs)

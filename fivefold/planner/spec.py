@@ -34,7 +34,12 @@ _SCHEDULE_ALIASES = {
     "gpipe": "gpipe", "fill-drain": "gpipe", "1f1b": "1f1b", "pipedream-flush": "1f1b",
     "interleaved": "interleaved", "interleaved-1f1b": "interleaved", "vpp": "interleaved",
     "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb": "zb-h1", "zero-bubble": "zb-h1",
+    "dualpipev": "dualpipev", "dualpipe-v": "dualpipev",
 }
+# Schedules the planner costs before the runtime runs them, and the runtime schedule whose
+# rules (devices, micro-batches, layer split, one chunk per rank) stand in for their validation.
+PLANNER_SCHEDULES = {"dualpipev": "zb-h1"}
+PLANNED_SCHEDULES = tuple(dict.fromkeys((*SCHEDULES, *PLANNER_SCHEDULES)))
 _CP_ALIASES = {
     "allgather": "allgather", "all-gather": "allgather", "all_gather": "allgather",
     "ring": "ring", "ulysses": "ulysses", "all-to-all": "ulysses", "alltoall": "ulysses",
@@ -237,7 +242,7 @@ class LayoutSpec:
             raise PlanError(f"LayoutSpec.zero={self.zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
         sched = _SCHEDULE_ALIASES.get(str(self.schedule).lower())
         if sched is None:
-            raise UnknownNameError(f"schedule={self.schedule!r} is unknown; use one of {choices(SCHEDULES)}")
+            raise UnknownNameError(f"schedule={self.schedule!r} is unknown; use one of {choices(PLANNED_SCHEDULES)}")
         object.__setattr__(self, "schedule", sched)
         cp_kind = _CP_ALIASES.get(str(self.cp_kind).lower())
         if cp_kind is None:
@@ -265,6 +270,18 @@ class LayoutSpec:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def runtime_schedule(self) -> str:
+        """The runtime schedule that validates this layout: its own, or a planner-only
+        schedule's stand-in (`PLANNER_SCHEDULES`) until the runtime runs it."""
+        return self.schedule if self.schedule in SCHEDULES else PLANNER_SCHEDULES[self.schedule]
+
+    def runtime_gaps(self) -> tuple[str, ...]:
+        """What of this layout ``fivefold train`` cannot run (the planner costs it anyway)."""
+        if self.pp > 1 and self.schedule not in SCHEDULES:
+            return (f"the {self.schedule} pipeline schedule (planned with its published bubble and overlap)",)
+        return ()
 
     def with_states(self, zero: int, recompute: str) -> "LayoutSpec":
         """This layout with another ZeRO stage and recomputation (checked, without re-checking

@@ -107,14 +107,14 @@ def _one_layout(args: argparse.Namespace, model, hardware: str, out: Console) ->
         print(to_json(e))
     else:
         out.print(format_breakdown(e))
-        _print_runtime_gaps(model, out)
+        _print_runtime_gaps(model, out, layout)
     return 0
 
 
-def _print_runtime_gaps(model, out: Console) -> None:
-    """Say which parts of a planned shape `fivefold train` cannot train: the plan is the
-    planner's alone there."""
-    for gap in model.runtime_gaps():
+def _print_runtime_gaps(model, out: Console, layout=None) -> None:
+    """Say which parts of a planned shape or layout `fivefold train` cannot train: the plan is
+    the planner's alone there."""
+    for gap in (*model.runtime_gaps(), *(layout.runtime_gaps() if layout else ())):
         out.print(f"[bold yellow]planner only:[/] fivefold train cannot train {gap}", highlight=False)
 
 
