@@ -59,7 +59,7 @@ from .comm import (
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
 from .hardware import Hardware, get_hardware
 from .model_states import StateBytes, state_bytes, zero_model_states
-from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params
+from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params, selective_recompute_matmul
 from .pipeline import (
     bubble_units,
     dualpipev_compute_share,
@@ -138,6 +138,8 @@ class _LayerCost:
     mm: float             # matmul FLOPs per micro-batch and device (forward)
     attn: float           # attention FLOPs per micro-batch and device (forward, executed)
     router_mm: float      # the part of ``mm`` in the MoE router, which FP8 leaves in 16 bits
+    selective_mm: float   # matmul FLOPs selective recomputation re-runs besides the attention core
+    expert_mm: float      # the part of ``mm`` in the routed experts (balanced routing)
 
     def gemm_equivalent(self, fp8_speedup: float) -> float:
         """``mm`` in FLOPs at the 16-bit rate: the linear layers FP8 covers (all but the
@@ -235,7 +237,10 @@ def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _Layer
     tokens = lay.micro_batch * m.seq_len / lay.cp
     attn = 4.0 * tokens * m.seq_len * attention_width(m) / t  # the same count as the model FLOPs
     router = 2.0 * tokens * m.hidden * m.num_experts if moe else 0.0  # replicated over tp
-    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn, router)
+    selective = 2.0 * tokens * selective_recompute_matmul(m) / t
+    routed = 2.0 * tokens * lp.top_k * lp.expert.matmul / t
+    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn, router,
+                      selective, routed)
 
 
 @dataclass(frozen=True)
@@ -488,11 +493,14 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     dualpipev = lay.schedule == "dualpipev" and lay.pp > 1
     share = dualpipev_compute_share(hw.sm_count, lay.ep) if dualpipev else 1.0
     rate = hw.peak(ctx.precision) * hw.matmul_efficiency * share
-    mm = sum(c.gemm_equivalent(hw.fp8_speedup(ctx.precision)) * n for c, n in per)
+    speedup = hw.fp8_speedup(ctx.precision)
+    # the busiest expert-parallel rank runs expert_imbalance times the mean routed tokens
+    mm = sum((c.gemm_equivalent(speedup) + (lay.expert_imbalance - 1) * c.expert_mm / speedup) * n for c, n in per)
     at = sum(c.attn * n for c, n in per)
+    selective = at + sum(c.selective_mm * n for c, n in per) / speedup
     tokens = lay.micro_batch * m.seq_len / lay.cp
     head = 2.0 * tokens * head_block(m).matmul / t if last else 0.0
-    recompute = {"none": 0.0, "selective": at, "full": mm + at}[lay.recompute]
+    recompute = {"none": 0.0, "selective": selective, "full": mm + at}[lay.recompute]
     passes = 4 if lay.recompute == "full" else 3
     ends = (ctx.ends[0] if first else 0) + (ctx.ends[1] if last else 0)
     elem = 2.0 * (sum(c.act_full * n for c, n in per) * passes + 3 * ends) / hw.hbm_bw
@@ -513,6 +521,7 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     comm_time = {a: 0.0 for a in AXES}
     for c in inner + dp:
         comm_time[c.axis] += c.time(hw)
+    comm_time["ep"] *= lay.expert_imbalance  # the busiest rank receives and returns that many more copies
     exposed = {a: comm_time[a] for a in ("tp", "cp", "ep", "pp")}
     if lay.cp > 1 and lay.cp_kind == "ring":  # transfers hide behind attention, launches do not
         launches = sum(c.calls for c in inner if c.axis == "cp") * hw.intra_latency_s

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..rules.flops import model_flops_per_token
 from .bridge import model_config
-from .params import head_block, layer_params
+from .params import head_block, layer_params, selective_recompute_matmul
 from .spec import ModelSpec
 
 
@@ -67,7 +67,8 @@ def hardware_flops_per_step(m: ModelSpec, global_batch: int, recompute: str = "n
     """Model FLOPs plus the forward work recomputation repeats (module docstring)."""
     tokens = float(global_batch) * m.seq_len
     mm, at = _layers_forward(m, tokens)
-    extra = {"none": 0.0, "selective": at, "full": mm + at}[recompute]
+    selective = at + 2.0 * tokens * m.layers * selective_recompute_matmul(m)
+    extra = {"none": 0.0, "selective": selective, "full": mm + at}[recompute]
     return model_flops_per_step(m, global_batch) + extra
 
 

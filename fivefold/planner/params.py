@@ -90,6 +90,15 @@ class MLABlocks(LayerBlocks):
 MLA_LAYER = MLABlocks()
 
 
+def selective_recompute_matmul(m: PlannedShape) -> int:
+    """Matmul weights per token that selective recomputation re-runs besides the attention
+    core: multi-head latent attention's up-projections (`MLABlocks`), none otherwise."""
+    if not getattr(m, "is_mla", False):
+        return 0
+    qk = m.qk_nope_dim + m.qk_rope_dim  # type: ignore[attr-defined]
+    return m.heads * (m.q_lora_rank * qk + m.kv_lora_rank * (m.qk_nope_dim + m.v_head_dim))  # type: ignore[attr-defined]
+
+
 def blocks_of(m: PlannedShape) -> LayerBlocks:
     if m.arch == "gpt":
         return GPT_LAYER

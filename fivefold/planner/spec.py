@@ -234,6 +234,10 @@ class LayoutSpec:
     pp_layers: tuple[int, ...] = ()
     dp_shard: int = 0  # hybrid sharding: ZeRO shard groups of dp_shard (x cp) ranks; 0: all of dp
     zero3_gather: str = "micro_batch"  # ZeRO-3 gathers per micro-batch, or once per step (`ZERO3_GATHERS`)
+    # Planner only: tokens on the busiest expert-parallel rank over the mean (max / mean). 1.0,
+    # balanced, by default; a run logs the per-expert figure as moe/<layer>/imbalance (an
+    # upper bound of the per-rank one, which sums E / ep experts).
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("LayoutSpec", dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
@@ -259,6 +263,9 @@ class LayoutSpec:
         object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
             raise PlanError(f"LayoutSpec.dp_shard={self.dp_shard} does not divide dp={self.dp}; use a divisor or 0")
+        if not isinstance(self.expert_imbalance, (int, float)) or self.expert_imbalance < 1.0:
+            raise PlanError(f"expert_imbalance={self.expert_imbalance!r} is max/mean tokens per expert-parallel rank; "
+                            "use a number >= 1.0 (1.0: balanced)")
         if self.zero3_gather not in ZERO3_GATHERS:
             raise UnknownNameError(f"zero3_gather={self.zero3_gather!r} is unknown; use one of {choices(ZERO3_GATHERS)}")
 
@@ -321,6 +328,8 @@ class LayoutSpec:
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
         parts.append(f"mb={self.micro_batch}")
+        if self.expert_imbalance != 1.0:
+            parts.append(f"imbalance={self.expert_imbalance:g}")
         return ",".join(parts)
 
 
@@ -330,6 +339,7 @@ _LAYOUT_KEYS = {
     "global_batch": "global_batch", "schedule": "schedule", "sp": "sequence_parallel",
     "sequence_parallel": "sequence_parallel", "recompute": "recompute", "cp_kind": "cp_kind",
     "dp_shard": "dp_shard", "zero3_gather": "zero3_gather",
+    "imbalance": "expert_imbalance", "expert_imbalance": "expert_imbalance",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -354,6 +364,11 @@ def parse_layout(text: str, **defaults) -> LayoutSpec:
             if raw.lower() not in _TRUE | _FALSE:
                 raise PlanError(f"layout item {item!r}: use sp=1 or sp=0")
             values[field_name] = raw.lower() in _TRUE
+        elif field_name == "expert_imbalance":
+            try:
+                values[field_name] = float(raw)
+            except ValueError:
+                raise PlanError(f"layout item {item!r}: {key} must be a number >= 1.0") from None
         else:
             try:
                 values[field_name] = int(raw)
