@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..rules.fp8 import FP8_BYTES, base_policy, is_fp8
 from ..rules.precision import PrecisionError, parse_policy
 from ..rules.precision import ElementBytes
 from ..rules.volumes import local_kv_heads, ulysses_kv_heads, vocab_rows_per_rank
@@ -78,7 +79,7 @@ class SavedTensor(NamedTuple):
 def activation_element_bytes(precision: str) -> ElementBytes:
     """Bytes per element of the residual stream and of matmul outputs under a precision policy."""
     try:
-        return parse_policy(precision).element_bytes()
+        return parse_policy(base_policy(precision)).element_bytes()
     except PrecisionError as err:
         raise UnknownNameError(str(err)) from None
 
@@ -116,7 +117,28 @@ def saved_tensors_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str
         return [SavedTensor("layer.input", x.nrows * model.hidden, x.rb)]
     if model.arch == "gpt":
         return _gpt_attention(model, layout, x) + _gpt_mlp(model, x, moe)
-    return _llama_attention(model, layout, x) + _llama_mlp(model, x, moe, layout.ep)
+    attention = _mla_attention(model, layout, x) if model.is_mla else _llama_attention(model, layout, x)
+    saved = attention + _llama_mlp(model, x, moe, layout.ep, _norms_recomputed(model, layout))
+    return _in_fp8(saved) if is_fp8(precision) else saved
+
+
+# Inputs kept only for the weight gradient of a linear layer that FP8 covers (`rules.fp8`):
+# FP8 keeps them in FP8 (DeepSeek-V3 Section 3.3.3). Outputs of the attention core, which the
+# core's own backward reads in 16 bits, are not among them. SwiGLU keeps its two inputs (gate
+# and up projections' outputs) in FP8 and recomputes its output in backward (Section 3.3.3).
+_FP8_CACHED = frozenset({"qkv.input", "q_a_kv_a.input", "q_b.input", "kv_b.input", "mlp.input", "experts.input"})
+_SWIGLU_INPUTS = (".gate_out", ".up_out")
+_SWIGLU_RECOMPUTED = (".silu_out", ".down_input")
+
+
+def _in_fp8(saved: list[SavedTensor]) -> list[SavedTensor]:
+    out = []
+    for t in saved:
+        if t.name.endswith(_SWIGLU_RECOMPUTED):
+            continue
+        fp8 = t.name in _FP8_CACHED or t.name.endswith(_SWIGLU_INPUTS)
+        out.append(t._replace(bytes_per_element=FP8_BYTES) if fp8 else t)
+    return out
 
 
 def activation_bytes_per_layer(model: ModelSpec, layout: LayoutSpec, precision: str = "bf16",
@@ -193,6 +215,17 @@ def _rmsnorm(prefix: str, rows: int, h: int, x: _Dims) -> list[SavedTensor]:
             SavedTensor(f"{prefix}.normalised", rows * h, x.rb)]
 
 
+def _norms_recomputed(m: ModelSpec, lay: LayoutSpec) -> bool:
+    """Selective recomputation of a multi-head latent attention model is DeepSeek-V3's
+    (Section 3.2.3): every RMSNorm and the MLA up-projections rerun in backward."""
+    return m.is_mla and lay.recompute == "selective"
+
+
+def _norm(prefix: str, rows: int, h: int, x: _Dims, recomputed: bool) -> list[SavedTensor]:
+    """`_rmsnorm`, or only its input (in the residual dtype) when it reruns in backward."""
+    return [SavedTensor(f"{prefix}.input", rows * h, x.rb)] if recomputed else _rmsnorm(prefix, rows, h, x)
+
+
 def _linear_inputs(name: str, rows: int, width: int, consumers: int, x: _Dims) -> list[SavedTensor]:
     """One input read by ``consumers`` linear layers: saved once, or, under autocast over
     wider weights, one compute-dtype cast per layer (autocast caches only weights' casts)."""
@@ -242,6 +275,28 @@ def _llama_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTenso
     return out
 
 
+def _mla_attention(m: ModelSpec, lay: LayoutSpec, x: _Dims) -> list[SavedTensor]:
+    """Multi-head latent attention (planner only), saved as fivefold's attention would save it:
+    each norm as `_rmsnorm`, each linear its input, the attention core q, k, v, out and
+    logsumexp at the heads' own widths (q/k: qk_nope + qk_rope, v: v_head_dim). Selective
+    recomputation checkpoints from the latents on (DeepSeek-V3 Section 3.2.3 recomputes the
+    up-projections): q, k and v are rebuilt in backward, the latents and the output kept."""
+    h, ab, qh = m.hidden, x.ab, m.heads // x.t
+    qk, again = m.qk_nope_dim + m.qk_rope_dim, _norms_recomputed(m, lay)
+    out = _norm("attn_norm", x.nrows, h, x, again) + _linear_inputs("q_a_kv_a.input", x.rows, h, 2, x)
+    out += _norm("q_a_norm", x.rows, m.q_lora_rank, x, again) + _norm("kv_a_norm", x.rows, m.kv_lora_rank, x, again)
+    out += [SavedTensor("q_b.input", x.rows * m.q_lora_rank, ab),
+            SavedTensor("kv_b.input", x.rows * m.kv_lora_rank, ab),
+            SavedTensor("k_rope", x.rows * m.qk_rope_dim, ab),
+            SavedTensor("core.out_and_o_proj.input", x.rows * qh * m.v_head_dim, ab)]
+    if lay.recompute == "none":
+        out += [SavedTensor("core.q", x.rows * qh * qk, ab),
+                SavedTensor("core.k", x.kv_rows * qh * qk, ab),
+                SavedTensor("core.v", x.kv_rows * qh * m.v_head_dim, ab),
+                SavedTensor("core.logsumexp", x.rows * qh, 4)]
+    return out
+
+
 def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
     return [SavedTensor(f"{prefix}.gate_out", rows * width, ab),
             SavedTensor(f"{prefix}.silu_out", rows * width, ab),
@@ -249,13 +304,13 @@ def _swiglu(prefix: str, rows: int, width: int, ab: int) -> list[SavedTensor]:
             SavedTensor(f"{prefix}.down_input", rows * width, ab)]
 
 
-def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool, ep: int) -> list[SavedTensor]:
+def _llama_mlp(m: ModelSpec, x: _Dims, moe: bool, ep: int, norm_recomputed: bool = False) -> list[SavedTensor]:
     h, ab = m.hidden, x.ab
-    out = _rmsnorm("mlp_norm", x.nrows, h, x)
+    out = _norm("mlp_norm", x.nrows, h, x, norm_recomputed)
     if not moe:
         return (out + _linear_inputs("mlp.input", x.rows, h, 2, x) + _weight_casts(3 * h * (m.ffn // x.t), x)
                 + _swiglu("mlp", x.rows, m.ffn // x.t, ab))
-    out += [SavedTensor("mlp.input", x.rows * h, ab)]
+    out += [SavedTensor("router_and_shared.input", x.rows * h, ab)]  # the router's weight gradient reads it
     k, f, e = m.top_k, m.expert_ffn // x.t, m.num_experts
     slots = k * x.rows
     out += [SavedTensor("router.logits", x.rows * e, 4),

@@ -44,7 +44,7 @@ def runtime_layout(spec: LayoutSpec, base: Layout | None = None) -> Layout:
     """The runtime `Layout` of ``spec`` (other fields from ``base``); batching derived."""
     return dataclasses.replace(
         base or Layout(), dp=spec.dp, tp=spec.tp, pp=spec.pp, cp=spec.cp, ep=spec.ep, zero=spec.zero, vpp=spec.vpp,
-        pp_schedule=spec.schedule, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute,
+        pp_schedule=spec.runtime_schedule, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute,
         cp_algorithm=spec.cp_kind, micro_batch=spec.micro_batch, grad_accum=0, pp_layers=spec.pp_layers,
         dp_shard=spec.dp_shard, zero3_gather=spec.zero3_gather if spec.zero == 3 else "micro_batch",
     )

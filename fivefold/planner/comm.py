@@ -42,6 +42,8 @@ from typing import NamedTuple
 from ..rules import volumes
 from ..rules.layout import sequence_segments
 from ..rules.precision import ElementBytes
+from ..rules.fp8 import FP8_BYTES, is_fp8
+from ..rules.node_routing import LinkShares, link_shares
 from ..rules.volumes import Call, local_kv_heads, ring_factor, ring_steps
 from .hardware import Hardware
 from .spec import LayoutSpec, ModelSpec
@@ -61,6 +63,8 @@ class Collective(NamedTuple):
     span: int
     phase: str  # "fwd", "bwd" or "step"
     what: str
+    shares: LinkShares | None = None  # node-aware all-to-all: NVLink and network bytes per byte
+
 
     @property
     def factor(self) -> float:
@@ -69,11 +73,18 @@ class Collective(NamedTuple):
     @property
     def volume(self) -> float:
         """Bytes this device sends per step."""
+        if self.shares is not None:
+            return self.calls * (self.shares.intra + self.shares.inter) * self.nbytes
         return self.calls * self.factor * self.nbytes
 
     def time(self, hw: Hardware) -> float:
         if self.calls == 0 or (self.group <= 1 and self.kind != "send"):
             return 0.0
+        if self.shares is not None:  # both links at once (`rules.node_routing`)
+            intra = self.shares.intra * self.nbytes / (hw.intra_node_bw * hw.link_efficiency)
+            inter = self.shares.inter * self.nbytes / (hw.inter_node_bw * hw.link_efficiency)
+            lat = hw.inter_latency_s if self.shares.inter else hw.intra_latency_s
+            return self.calls * (lat * ring_steps(self.kind, self.group) + max(intra, inter))
         intra = self.span <= hw.gpus_per_node
         bw = (hw.intra_node_bw if intra else hw.inter_node_bw) * hw.link_efficiency
         lat = hw.intra_latency_s if intra else hw.inter_latency_s
@@ -137,12 +148,18 @@ def cp_moe_layers(m: ModelSpec, lay: LayoutSpec, moe_layer_mbs: float) -> list[C
     return _collectives("cp", calls, cp, lay.tp * cp, moe_layer_mbs)
 
 
-def ep_layers(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, moe_layer_mbs: float) -> list[Collective]:
-    """Expert-parallel dispatch/combine all-to-alls of ``moe_layer_mbs`` MoE layer passes."""
+def ep_layers(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, moe_layer_mbs: float, gpus_per_node: int,
+              precision: str = "bf16") -> list[Collective]:
+    """Expert-parallel dispatch/combine all-to-alls of ``moe_layer_mbs`` MoE layer passes; the
+    token copies split over NVLink and the network by `rules.node_routing.link_shares` (the
+    model's node-limited routing), the expert-count exchanges as plain all-to-alls."""
     if lay.ep == 1 or moe_layer_mbs == 0:
         return []
-    calls = volumes.ep_layer_calls(_act_elems(m, lay) * m.top_k, eb, m.num_experts, _forward_passes(lay))
-    return _collectives("ep", calls, lay.ep, lay.tp * lay.ep, moe_layer_mbs)
+    calls = volumes.ep_layer_calls(_act_elems(m, lay) * m.top_k, eb, m.num_experts, _forward_passes(lay),
+                                   fp8_bytes=FP8_BYTES if is_fp8(precision) else 0)
+    shares = link_shares(m.top_k, lay.ep, lay.tp, gpus_per_node, m.route_nodes)
+    out = _collectives("ep", calls, lay.ep, lay.tp * lay.ep, moe_layer_mbs)
+    return [c if c.what == "slots per expert" else c._replace(shares=shares) for c in out]
 
 
 def pp_sends(m: ModelSpec, lay: LayoutSpec, eb: ElementBytes, stage: int, tied_vocab_bytes: float) -> list[Collective]:

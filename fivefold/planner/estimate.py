@@ -59,10 +59,18 @@ from .comm import (
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
 from .hardware import Hardware, get_hardware
 from .model_states import StateBytes, state_bytes, zero_model_states
-from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params
-from .pipeline import bubble_units, in_flight, in_flight_embedding, in_flight_output, stage_layers
+from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params, selective_recompute_matmul
+from .pipeline import (
+    bubble_units,
+    dualpipev_compute_share,
+    dualpipev_exposed,
+    in_flight,
+    in_flight_embedding,
+    in_flight_output,
+    stage_layers,
+)
 from .spec import LayoutSpec, ModelSpec
-from .validate import check_layout
+from .validate import check_layout, check_routing
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,14 @@ class _LayerCost:
     act_full: int         # saved bytes per micro-batch without recomputation
     mm: float             # matmul FLOPs per micro-batch and device (forward)
     attn: float           # attention FLOPs per micro-batch and device (forward, executed)
+    router_mm: float      # the part of ``mm`` in the MoE router, which FP8 leaves in 16 bits
+    selective_mm: float   # matmul FLOPs selective recomputation re-runs besides the attention core
+    expert_mm: float      # the part of ``mm`` in the routed experts (balanced routing)
+
+    def gemm_equivalent(self, fp8_speedup: float) -> float:
+        """``mm`` in FLOPs at the 16-bit rate: the linear layers FP8 covers (all but the
+        router, `rules.fp8`) run ``fp8_speedup`` times faster."""
+        return self.router_mm + (self.mm - self.router_mm) / fp8_speedup
 
 
 class CostCache:
@@ -169,7 +185,8 @@ class CostCache:
         key = (hw, moe, lay.tp, lay.cp, lay.ep, lay.micro_batch, lay.sequence_parallel, lay.recompute, lay.cp_kind)
         if key not in self._comm:
             m, eb = self.model, activation_element_bytes(self.precision)
-            colls = tp_layers(m, lay, eb, 1) + (ep_layers(m, lay, eb, 1) + cp_moe_layers(m, lay, 1) if moe else [])
+            colls = tp_layers(m, lay, eb, 1) + (ep_layers(m, lay, eb, 1, hw.gpus_per_node, self.precision)
+                                             + cp_moe_layers(m, lay, 1) if moe else [])
             if lay.cp_kind != "ring":
                 colls += cp_layers(m, lay, eb, 1)
             self._comm[key] = sum(c.time(hw) for c in colls)
@@ -219,7 +236,11 @@ def _layer_cost(m: ModelSpec, lay: LayoutSpec, precision: str, i: int) -> _Layer
         act_full = activation_bytes_per_layer(m, lay.with_states(lay.zero, "none"), precision, moe)
     tokens = lay.micro_batch * m.seq_len / lay.cp
     attn = 4.0 * tokens * m.seq_len * attention_width(m) / t  # the same count as the model FLOPs
-    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn)
+    router = 2.0 * tokens * m.hidden * m.num_experts if moe else 0.0  # replicated over tp
+    selective = 2.0 * tokens * selective_recompute_matmul(m) / t
+    routed = 2.0 * tokens * lp.top_k * lp.expert.matmul / t
+    return _LayerCost(dense, expert, act, act_full, 2.0 * tokens * (lp.matmul_active / t + kv_matmul), attn, router,
+                      selective, routed)
 
 
 @dataclass(frozen=True)
@@ -275,8 +296,10 @@ def estimate(model: ModelSpec, layout: LayoutSpec, hardware: str | Hardware = "A
     is returned with ``fits=False``.
     """
     hw = get_hardware(hardware)
-    ctx = _context(model, layout, hw, precision, optimizer, cache)
     check_layout(model, layout, gpus, precision)
+    check_routing(model, layout, hw)
+    hw.fp8_speedup(precision)  # refuses FP8 on a device without it, before any costing
+    ctx = _context(model, layout, hw, precision, optimizer, cache)
     return estimate_valid(model, layout, hw, precision, optimizer, cache, ctx)
 
 
@@ -467,12 +490,17 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     t, mbs, n_layers = lay.tp, lay.num_micro_batches, n_dense + n_moe
 
     # ---- compute per micro-batch ----
-    rate = hw.peak(ctx.precision) * hw.matmul_efficiency
-    mm = sum(c.mm * n for c, n in per)
+    dualpipev = lay.schedule == "dualpipev" and lay.pp > 1
+    share = dualpipev_compute_share(hw.sm_count, lay.ep) if dualpipev else 1.0
+    rate = hw.peak(ctx.precision) * hw.matmul_efficiency * share
+    speedup = hw.fp8_speedup(ctx.precision)
+    # the busiest expert-parallel rank runs expert_imbalance times the mean routed tokens
+    mm = sum((c.gemm_equivalent(speedup) + (lay.expert_imbalance - 1) * c.expert_mm / speedup) * n for c, n in per)
     at = sum(c.attn * n for c, n in per)
+    selective = at + sum(c.selective_mm * n for c, n in per) / speedup
     tokens = lay.micro_batch * m.seq_len / lay.cp
     head = 2.0 * tokens * head_block(m).matmul / t if last else 0.0
-    recompute = {"none": 0.0, "selective": at, "full": mm + at}[lay.recompute]
+    recompute = {"none": 0.0, "selective": selective, "full": mm + at}[lay.recompute]
     passes = 4 if lay.recompute == "full" else 3
     ends = (ctx.ends[0] if first else 0) + (ctx.ends[1] if last else 0)
     elem = 2.0 * (sum(c.act_full * n for c, n in per) * passes + 3 * ends) / hw.hbm_bw
@@ -486,17 +514,24 @@ def _stage_time(ctx: _Ctx, s: int, n_dense: int, n_moe: int, mem: MemoryBreakdow
     inner = (tp_layers(m, lay, eb, n_layers * mbs) + tp_ends(m, lay, eb, first, last, mbs)
              + tp_grad_sums(m, lay, sb.grad, n_layers, n_moe, last)
              + cp_layers(m, lay, eb, n_layers * mbs) + cp_moe_layers(m, lay, n_moe * mbs)
-             + ep_layers(m, lay, eb, n_moe * mbs) + pp_sends(m, lay, eb, s, tied))
+             + ep_layers(m, lay, eb, n_moe * mbs, hw.gpus_per_node, ctx.precision) + pp_sends(m, lay, eb, s, tied))
     keeps = lay.zero == 3 and n_layers and volumes.zero3_keeps_ends_gathered(lay.pp)
     kept = _kept_for_backward(ctx, first, last) if keeps else (0.0, 0.0)
     dp = dp_grads(lay, sb.param, sb.reduce, dense, expert, kept, _finalized_params(ctx, s, n_dense, n_moe))
     comm_time = {a: 0.0 for a in AXES}
     for c in inner + dp:
         comm_time[c.axis] += c.time(hw)
+    comm_time["ep"] *= lay.expert_imbalance  # the busiest rank receives and returns that many more copies
     exposed = {a: comm_time[a] for a in ("tp", "cp", "ep", "pp")}
     if lay.cp > 1 and lay.cp_kind == "ring":  # transfers hide behind attention, launches do not
         launches = sum(c.calls for c in inner if c.axis == "cp") * hw.intra_latency_s
         exposed["cp"] = max(launches, comm_time["cp"] - mbs * 3 * at / rate)
+    if dualpipev:  # expert and pipeline transfers hide behind the paired micro-batch's compute
+        hidden_axes = ("ep", "pp")
+        comm = sum(comm_time[a] for a in hidden_axes)
+        left = dualpipev_exposed(comm, mbs * (t_f + t_b + t_w), lay.pp, mbs)
+        for a in hidden_axes:
+            exposed[a] = comm_time[a] * left / comm if comm else 0.0
     dp_exp = _dp_exposed(dp, hw, mbs, max(n_layers, 1), t_f, t_b + t_w)
     optimizer_s = mem.optimizer / sb.optimizer * (2 * sb.optimizer + sb.param + sb.grad) / hw.hbm_bw
     colls = inner + dp
@@ -525,10 +560,13 @@ def time_lower_bound(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precisi
     t_mb = 0.0
     for moe, n in per:
         c = cache.layer(lay, moe)
-        recompute = {"none": 0.0, "selective": c.attn, "full": c.mm + c.attn}[lay.recompute]
-        flops = 3 * c.mm + 3 * c.attn + recompute
-        t_mb += n * (flops / rate + 2.0 * passes * c.act_full / hw.hbm_bw + cache.pass_comm_s(lay, hw, moe))
-    bubble = 0.0 if p == 1 else (p - 1) / (v if lay.schedule == "interleaved" else 1)
+        mm = c.gemm_equivalent(hw.fp8_speedup(precision))
+        recompute = {"none": 0.0, "selective": c.attn, "full": mm + c.attn}[lay.recompute]
+        flops = 3 * mm + 3 * c.attn + recompute
+        hides_comm = lay.schedule == "dualpipev"  # may hide all of its expert all-to-alls
+        comm = 0.0 if hides_comm else cache.pass_comm_s(lay, hw, moe)
+        t_mb += n * (flops / rate + 2.0 * passes * c.act_full / hw.hbm_bw + comm)
+    bubble = 0.0 if p == 1 or lay.schedule == "dualpipev" else (p - 1) / (v if lay.schedule == "interleaved" else 1)
     if lay.schedule == "zb-h1":
         bubble /= 3
     return mbs * t_mb * (1 + bubble / mbs)

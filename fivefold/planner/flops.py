@@ -23,12 +23,16 @@ from __future__ import annotations
 
 from ..rules.flops import model_flops_per_token
 from .bridge import model_config
-from .params import head_block, layer_params
+from .params import head_block, layer_params, selective_recompute_matmul
 from .spec import ModelSpec
 
 
-def attention_width(m: ModelSpec) -> int:
-    """a d: the width of queries (and of the attention output)."""
+def attention_width(m: ModelSpec) -> float:
+    """a d: the width of queries (and of the attention output). With multi-head latent
+    attention the scores use q/k heads of qk_nope + qk_rope and the weighted sum v heads of
+    v_head_dim, so the mean of the two stands in the 4 T s (a d) count."""
+    if m.is_mla:
+        return m.heads * (m.qk_nope_dim + m.qk_rope_dim + m.v_head_dim) / 2
     return m.heads * m.head_dim
 
 
@@ -52,7 +56,7 @@ def _layers_forward(m: ModelSpec, tokens: float) -> tuple[float, float]:
 def model_flops_per_step(m: ModelSpec, global_batch: int) -> float:
     """PaLM model FLOPs of one step over ``global_batch`` sequences of ``m.seq_len``."""
     tokens = float(global_batch) * m.seq_len
-    if m.arch == "llama":
+    if m.arch == "llama" and not m.is_mla:  # the runtime's layer: the runtime's count
         return tokens * model_flops_per_token(model_config(m), m.seq_len)
     mm, at = _layers_forward(m, tokens)
     head = 2.0 * tokens * head_block(m).matmul
@@ -63,7 +67,8 @@ def hardware_flops_per_step(m: ModelSpec, global_batch: int, recompute: str = "n
     """Model FLOPs plus the forward work recomputation repeats (module docstring)."""
     tokens = float(global_batch) * m.seq_len
     mm, at = _layers_forward(m, tokens)
-    extra = {"none": 0.0, "selective": at, "full": mm + at}[recompute]
+    selective = at + 2.0 * tokens * m.layers * selective_recompute_matmul(m)
+    extra = {"none": 0.0, "selective": selective, "full": mm + at}[recompute]
     return model_flops_per_step(m, global_batch) + extra
 
 

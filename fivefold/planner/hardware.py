@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from ..rules.fp8 import base_policy, is_fp8
 from ..rules.precision import parse_policy
 from .errors import PlanError, UnknownNameError, choices
 
@@ -47,10 +48,24 @@ class Hardware:
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 20e-6
     memory_reserved_bytes: int = 3 * GiB
+    peak_flops_fp8: float = 0.0  # dense FP8 tensor-core peak; 0: the device has none
+    sm_count: int = 0  # streaming multiprocessors; 0: not modelled
 
     def peak(self, precision: str) -> float:
-        """Dense peak for the precision's matmuls (bf16/fp16 tensor cores, or fp32)."""
-        return self.peak_flops_fp32 if parse_policy(precision).compute == "fp32" else self.peak_flops
+        """Dense peak for the precision's matmuls (bf16/fp16 tensor cores, or fp32). Under
+        "fp8" the 16-bit peak: MFU is quoted against it, and the GEMMs FP8 does not cover
+        run at it (`fp8_speedup` gives the others)."""
+        return self.peak_flops_fp32 if parse_policy(base_policy(precision)).compute == "fp32" else self.peak_flops
+
+    def fp8_speedup(self, precision: str) -> float:
+        """How much faster the GEMMs FP8 covers run than at `peak`: 1 unless ``precision`` is
+        "fp8"; raises `PlanError` for a device without FP8 tensor cores."""
+        if not is_fp8(precision):
+            return 1.0
+        if self.peak_flops_fp8 <= 0:
+            raise PlanError(f"hardware {self.name!r} has no FP8 tensor cores; use --precision bf16, "
+                            "or an FP8 device (H100-80GB, H800, H200)")
+        return self.peak_flops_fp8 / self.peak_flops
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -76,23 +91,27 @@ _PRESETS: dict[str, Hardware] = {
     "A100-80GB": Hardware("A100-80GB", peak_flops=312e12, memory_bytes=80 * GiB,
                           intra_node_bw=300e9, inter_node_bw=25e9, gpus_per_node=8,
                           hbm_bw=2039e9, peak_flops_fp32=19.5e12, matmul_efficiency=0.75),
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense (1,979 with sparsity), 67 fp32,
+    # NVIDIA H100 SXM5 datasheet (132 SMs): 989 TFLOP/s bf16 dense (1,979 with sparsity), 1,979 FP8 dense
+    # (3,958 with sparsity), 67 fp32,
     # 3.35 TB/s HBM3, NVLink 900 GB/s (both directions). DGX H100: 8 GPUs,
     # 8 x 400 Gb/s ConnectX-7 (NDR InfiniBand).
     "H100-80GB": Hardware("H100-80GB", peak_flops=989e12, memory_bytes=80 * GiB,
                           intra_node_bw=450e9, inter_node_bw=50e9, gpus_per_node=8,
-                          hbm_bw=3.35e12, peak_flops_fp32=67e12, matmul_efficiency=0.70),
-    # H800 SXM: the H100 SXM compute and memory with NVLink cut to 400 GB/s (both
+                          hbm_bw=3.35e12, peak_flops_fp32=67e12, matmul_efficiency=0.70,
+                          peak_flops_fp8=1979e12, sm_count=132),
+    # H800 SXM: the H100 SXM compute (FP8 included) and memory with NVLink cut to 400 GB/s (both
     # directions) for export; DeepSeek-V3 report (Section 3.1): 8 GPUs per node over
     # NVLink/NVSwitch, InfiniBand between nodes (50 GB/s per GPU).
     "H800": Hardware("H800", peak_flops=989e12, memory_bytes=80 * GiB,
                      intra_node_bw=200e9, inter_node_bw=50e9, gpus_per_node=8,
-                     hbm_bw=3.35e12, peak_flops_fp32=67e12, matmul_efficiency=0.70),
-    # NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e (about 140 GiB usable as
+                     hbm_bw=3.35e12, peak_flops_fp32=67e12, matmul_efficiency=0.70,
+                     peak_flops_fp8=1979e12, sm_count=132),
+    # NVIDIA H200 SXM datasheet: H100 compute (1,979 TFLOP/s FP8 dense), 141 GB HBM3e (about 140 GiB usable as
     # reported by the driver) at 4.8 TB/s, NVLink 900 GB/s; 8 x 400 Gb/s per HGX node.
     "H200": Hardware("H200", peak_flops=989e12, memory_bytes=140 * GiB,
                      intra_node_bw=450e9, inter_node_bw=50e9, gpus_per_node=8,
-                     hbm_bw=4.8e12, peak_flops_fp32=67e12, matmul_efficiency=0.70),
+                     hbm_bw=4.8e12, peak_flops_fp32=67e12, matmul_efficiency=0.70,
+                     peak_flops_fp8=1979e12, sm_count=132),
 }
 
 # Conservative stand-ins for "cpu" until `calibrate()` has measured this machine: a few

@@ -23,6 +23,7 @@ import math
 from typing import NamedTuple
 
 from ..rules import volumes
+from ..rules.fp8 import base_policy
 from ..rules.precision import PrecisionError, parse_policy
 from .errors import UnknownNameError
 
@@ -41,7 +42,7 @@ class StateBytes(NamedTuple):
 def state_bytes(precision: str, optimizer: str = "adam") -> StateBytes:
     """Bytes per parameter for weights, gradients and optimizer state (module docstring)."""
     try:
-        policy = parse_policy(precision)
+        policy = parse_policy(base_policy(precision))
         return StateBytes(policy.param_bytes, policy.grad_bytes, policy.optimizer_bytes(optimizer),
                           policy.reduce_bytes)
     except PrecisionError as err:

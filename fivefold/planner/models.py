@@ -22,6 +22,16 @@ _PLANNER_ONLY: dict[str, ModelSpec] = {
     # Megatron-LM (Narayanan et al. 2021, Table 1 uses V = 51,200).
     "gpt3-175b": ModelSpec(name="gpt3-175b", arch="gpt", layers=96, hidden=12288, heads=96,
                            vocab=51200, seq_len=2048),
+    # DeepSeek-V3: arXiv 2412.19437, Section 4.2 (61 layers, the first 3 dense, hidden 7168,
+    # 128 heads, MLA with q_lora 1536, kv_lora 512, per-head 128 + 64 rotary for q/k and 128
+    # for v, 1 shared + 256 routed experts of width 2048, top-8, at most 4 nodes per token,
+    # vocabulary 129K) and its Hugging Face config (vocab 129280, dense width 18432). The
+    # multi-token-prediction module is not counted (the 671B/37B the paper gives exclude it).
+    "deepseek-v3": ModelSpec(name="deepseek-v3", arch="llama", layers=61, hidden=7168, heads=128,
+                             vocab=129280, seq_len=4096, ffn_hidden=18432, num_experts=256, top_k=8,
+                             expert_ffn_hidden=2048, shared_experts=1, first_dense_layers=3,
+                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
+                             v_head_dim=128, route_nodes=4),
 }
 
 

@@ -64,8 +64,45 @@ class GPTBlocks(LayerBlocks):
 GPT_LAYER = GPTBlocks()
 
 
+class MLABlocks(LayerBlocks):
+    """fivefold's layer with multi-head latent attention (DeepSeek-V3, arXiv 2412.19437
+    Section 2.1.1): queries through a rank-``q_lora_rank`` bottleneck, keys and values through
+    a shared rank-``kv_lora_rank`` latent plus one rotary key of ``qk_rope_dim`` shared by the
+    heads, each compression followed by an RMSNorm. The down-projections are replicated over
+    tp (as Megatron-core's MLA does); the up-projections and the output split by heads."""
+
+    def attention(self, m: ModelShape) -> Block:
+        h, heads = m.hidden, m.heads
+        qk = m.qk_nope_dim + m.qk_rope_dim  # type: ignore[attr-defined]
+        q_down, kv_down = h * m.q_lora_rank, h * (m.kv_lora_rank + m.qk_rope_dim)  # type: ignore[attr-defined]
+        q_up = m.q_lora_rank * heads * qk  # type: ignore[attr-defined]
+        kv_up = m.kv_lora_rank * heads * (m.qk_nope_dim + m.v_head_dim)  # type: ignore[attr-defined]
+        out = heads * m.v_head_dim * h  # type: ignore[attr-defined]
+        latent_norms = m.q_lora_rank + m.kv_lora_rank  # type: ignore[attr-defined]
+        return Block(sharded=q_up + kv_up + out, replicated=q_down + kv_down + latent_norms,
+                     matmul=q_down + kv_down + q_up + kv_up + out)
+
+    def kv_replicas(self, m: ModelShape, tp: int) -> tuple[float, float]:
+        """The latent is shared by all heads: no key/value head is repeated over tp."""
+        return 0.0, 0.0
+
+
+MLA_LAYER = MLABlocks()
+
+
+def selective_recompute_matmul(m: PlannedShape) -> int:
+    """Matmul weights per token that selective recomputation re-runs besides the attention
+    core: multi-head latent attention's up-projections (`MLABlocks`), none otherwise."""
+    if not getattr(m, "is_mla", False):
+        return 0
+    qk = m.qk_nope_dim + m.qk_rope_dim  # type: ignore[attr-defined]
+    return m.heads * (m.q_lora_rank * qk + m.kv_lora_rank * (m.qk_nope_dim + m.v_head_dim))  # type: ignore[attr-defined]
+
+
 def blocks_of(m: PlannedShape) -> LayerBlocks:
-    return GPT_LAYER if m.arch == "gpt" else FIVEFOLD_LAYER
+    if m.arch == "gpt":
+        return GPT_LAYER
+    return MLA_LAYER if getattr(m, "is_mla", False) else FIVEFOLD_LAYER
 
 
 def layer_params(m: PlannedShape, i: int) -> LayerParams:

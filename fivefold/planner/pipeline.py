@@ -32,6 +32,11 @@ def in_flight(layout: LayoutSpec, stage: int) -> float:
     p, m, v = layout.pp, layout.num_micro_batches, layout.vpp
     if p == 1:
         return 1.0
+    if layout.schedule == "dualpipev":
+        # DualPipe's repository (deepseek-ai/DualPipe, its table of schedules): PP + 1 chunks'
+        # activations per device for PP = 2p chunks, i.e. p + 1/2 of a device's layers, on
+        # every device alike (the V puts an early and a late chunk on each)
+        return min(float(m), p + 0.5)
     if layout.schedule == "gpipe":
         return float(m)
     if layout.schedule == "interleaved":
@@ -48,7 +53,8 @@ def in_flight_embedding(layout: LayoutSpec) -> float:
     m = layout.num_micro_batches
     if layout.schedule == "gpipe":
         return float(m)
-    rounds = 2 if layout.schedule == "interleaved" and layout.vpp > 1 else 1
+    two_chunks = layout.schedule == "dualpipev" or (layout.schedule == "interleaved" and layout.vpp > 1)
+    rounds = 2 if two_chunks else 1
     return float(min(m, rounds * layout.pp))
 
 
@@ -62,10 +68,50 @@ def in_flight_output(layout: LayoutSpec) -> float:
 def bubble_units(layout: LayoutSpec, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
     """Idle time per device per step, in units of one micro-batch's F+B+W time, with the
     F/B/W times of the layer (`fivefold.rules.stages.bubble_units`, which the runtime's timeline
-    also uses)."""
+    also uses); DualPipeV's by `dualpipev_bubble_units`."""
+    if layout.schedule == "dualpipev" and layout.pp > 1:
+        return dualpipev_bubble_units(layout.pp, t_f, t_b, t_w)
     return stage_bubble_units(layout.schedule, layout.pp, layout.num_micro_batches, layout.vpp, t_f, t_b, t_w)
 
 
 def bubble_fraction(layout: LayoutSpec, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
     """Bubble time over ideal compute time: `bubble_units` / m."""
     return bubble_units(layout, t_f, t_b, t_w) / layout.num_micro_batches
+
+
+def dualpipev_bubble_units(pp: int, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+    """DualPipeV's bubble, a planner formula until the runtime's schedule tables have it.
+
+    DualPipe's repository (deepseek-ai/DualPipe) gives DualPipeV's bubble on p devices of two
+    chunks each as (p - 1)(F&B + B - 3W) in chunk times, with B the full backward (input and
+    weight gradients) and F&B an overlapped forward-backward pair (DeepSeek-V3, arXiv
+    2412.19437, Table 2). A chunk holds half a device's layers, so with this device's F, B
+    (input gradient) and W per micro-batch, F&B = (F + B + W) / 2 (the communication a pair
+    leaves exposed scales the unit, as for every schedule) and the bubble is
+    (p - 1)(F + 2B - W) / 2, here in units of F + B + W."""
+    idle = (pp - 1) * (t_f + 2 * t_b - t_w) / 2
+    return max(idle, 0.0) / (t_f + t_b + t_w)
+
+
+# Streaming multiprocessors DeepSeek-V3's all-to-all kernels occupy while DualPipe overlaps them
+# with computation (arXiv 2412.19437, Section 3.2.2: "only 20 SMs are sufficient").
+DUALPIPE_COMM_SMS = 20
+
+
+def dualpipev_compute_share(sm_count: int, ep: int) -> float:
+    """The share of a device's SMs left to computation under DualPipeV with expert parallelism
+    (`DUALPIPE_COMM_SMS` run the all-to-alls); 1 without an SM count or without ep."""
+    if ep == 1 or sm_count <= DUALPIPE_COMM_SMS:
+        return 1.0
+    return (sm_count - DUALPIPE_COMM_SMS) / sm_count
+
+
+def dualpipev_exposed(comm_s: float, compute_s: float, pp: int, mbs: int) -> float:
+    """Seconds of a step's expert and pipeline communication (``comm_s``) that DualPipeV leaves
+    exposed. Each forward chunk runs beside another micro-batch's backward chunk, whose compute
+    hides its all-to-alls and sends (DeepSeek-V3, Section 3.2.1), up to that compute. The
+    forwards of the first p micro-batches (warm-up) and the backwards of the last p (cool-down)
+    have no partner: p / m of the communication stays exposed."""
+    unpaired = min(1.0, pp / mbs)
+    paired = 1.0 - unpaired
+    return unpaired * comm_s + max(0.0, paired * comm_s - paired * compute_s)

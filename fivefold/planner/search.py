@@ -26,6 +26,7 @@ from .estimate import CostCache, Estimate, estimate_valid, memory_grid_valid, ti
 from .hardware import GiB, Hardware, get_hardware
 from .models import load_model
 from .spec import CP_KINDS, LayoutSpec, ModelSpec, divisors
+from .validate import routes
 
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 DEFAULT_MICRO_BATCHES = (1, 2, 4)
@@ -90,8 +91,10 @@ def structures(model: ModelSpec, gpus: int, hw: Hardware, global_batch: int,
                 if global_batch % dp:
                     continue
                 for dp_shard in _shard_degrees(tp, cp, dp, hw.gpus_per_node):
-                    yield from _variants(model, global_batch, tp, pp, cp, dp, schedules, micro_batches, max_vpp,
-                                         dp_shard)
+                    for lay in _variants(model, global_batch, tp, pp, cp, dp, schedules, micro_batches, max_vpp,
+                                         dp_shard):
+                        if routes(model, lay, hw):  # node-limited routing needs its nodes in the ep group
+                            yield lay
 
 
 def _shard_degrees(tp: int, cp: int, dp: int, gpus_per_node: int) -> list[int]:

@@ -9,6 +9,10 @@
 * ``arch="llama"``: fivefold's own layer (RMSNorm, no biases, grouped-query attention with
   RoPE, SwiGLU MLP, optional Mixture-of-Experts MLP, untied head unless
   ``tied_embeddings``).
+
+With ``kv_lora_rank > 0`` the llama layer's attention is multi-head latent attention
+(DeepSeek-V2/V3, arXiv 2412.19437 Section 2.1.1), a planner-only shape: the runtime trains
+grouped-query attention (`ModelSpec.runtime_gaps` says so).
 """
 
 from __future__ import annotations
@@ -30,7 +34,12 @@ _SCHEDULE_ALIASES = {
     "gpipe": "gpipe", "fill-drain": "gpipe", "1f1b": "1f1b", "pipedream-flush": "1f1b",
     "interleaved": "interleaved", "interleaved-1f1b": "interleaved", "vpp": "interleaved",
     "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb": "zb-h1", "zero-bubble": "zb-h1",
+    "dualpipev": "dualpipev", "dualpipe-v": "dualpipev",
 }
+# Schedules the planner costs before the runtime runs them, and the runtime schedule whose
+# rules (devices, micro-batches, layer split, one chunk per rank) stand in for their validation.
+PLANNER_SCHEDULES = {"dualpipev": "zb-h1"}
+PLANNED_SCHEDULES = tuple(dict.fromkeys((*SCHEDULES, *PLANNER_SCHEDULES)))
 _CP_ALIASES = {
     "allgather": "allgather", "all-gather": "allgather", "all_gather": "allgather",
     "ring": "ring", "ulysses": "ulysses", "all-to-all": "ulysses", "alltoall": "ulysses",
@@ -78,6 +87,16 @@ class ModelSpec:
     tied_embeddings: bool = False
     first_dense_layers: int = 0
     dropless: bool = True  # MoE routing without capacity (no token dropped)
+    # multi-head latent attention (planner only): low-rank query and key/value compression,
+    # per-head widths of the position-free and rotary parts of q/k, and of v
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    # node-limited routing (DeepSeek-V3 Section 2.1.2): each token's experts lie on at most
+    # this many nodes; 0 routes freely
+    route_nodes: int = 0
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +130,33 @@ class ModelSpec:
                             f"use top_k <= {self.num_experts}")
         if self.first_dense_layers > self.layers:
             raise PlanError(f"first_dense_layers={self.first_dense_layers} exceeds layers={self.layers}")
+        self._check_mla()
+        if not isinstance(self.route_nodes, int) or self.route_nodes < 0:
+            raise PlanError(f"ModelSpec.route_nodes must be a non-negative integer, got {self.route_nodes!r}")
+
+    def _check_mla(self) -> None:
+        widths = {"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                  "qk_nope_dim": self.qk_nope_dim, "qk_rope_dim": self.qk_rope_dim, "v_head_dim": self.v_head_dim}
+        for name, v in widths.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise PlanError(f"ModelSpec.{name} must be a non-negative integer, got {v!r}")
+        if self.kv_lora_rank and not (self.qk_nope_dim and self.qk_rope_dim and self.v_head_dim):
+            raise PlanError("multi-head latent attention (kv_lora_rank > 0) needs qk_nope_dim, qk_rope_dim "
+                            "and v_head_dim; set all three")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    def runtime_gaps(self) -> tuple[str, ...]:
+        """What of this shape ``fivefold train`` cannot train (the planner plans it anyway)."""
+        gaps = []
+        if self.arch == "gpt":
+            gaps.append("the GPT layer (LayerNorm, biases, GeLU): the runtime trains the llama layer")
+        if self.is_mla:
+            gaps.append("multi-head latent attention: the runtime trains grouped-query attention")
+        return tuple(gaps)
 
     # ---- derived widths -------------------------------------------------------------
     @property
@@ -197,6 +243,10 @@ class LayoutSpec:
     pp_layers: tuple[int, ...] = ()
     dp_shard: int = 0  # hybrid sharding: ZeRO shard groups of dp_shard (x cp) ranks; 0: all of dp
     zero3_gather: str = "micro_batch"  # ZeRO-3 gathers per micro-batch, or once per step (`ZERO3_GATHERS`)
+    # Planner only: tokens on the busiest expert-parallel rank over the mean (max / mean). 1.0,
+    # balanced, by default; a run logs the per-expert figure as moe/<layer>/imbalance (an
+    # upper bound of the per-rank one, which sums E / ep experts).
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("LayoutSpec", dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
@@ -205,7 +255,7 @@ class LayoutSpec:
             raise PlanError(f"LayoutSpec.zero={self.zero!r} is not a ZeRO stage; use 0, 1, 2 or 3")
         sched = _SCHEDULE_ALIASES.get(str(self.schedule).lower())
         if sched is None:
-            raise UnknownNameError(f"schedule={self.schedule!r} is unknown; use one of {choices(SCHEDULES)}")
+            raise UnknownNameError(f"schedule={self.schedule!r} is unknown; use one of {choices(PLANNED_SCHEDULES)}")
         object.__setattr__(self, "schedule", sched)
         cp_kind = _CP_ALIASES.get(str(self.cp_kind).lower())
         if cp_kind is None:
@@ -222,6 +272,9 @@ class LayoutSpec:
         object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
             raise PlanError(f"LayoutSpec.dp_shard={self.dp_shard} does not divide dp={self.dp}; use a divisor or 0")
+        if not isinstance(self.expert_imbalance, (int, float)) or self.expert_imbalance < 1.0:
+            raise PlanError(f"expert_imbalance={self.expert_imbalance!r} is max/mean tokens per expert-parallel rank; "
+                            "use a number >= 1.0 (1.0: balanced)")
         if self.zero3_gather not in ZERO3_GATHERS:
             raise UnknownNameError(f"zero3_gather={self.zero3_gather!r} is unknown; use one of {choices(ZERO3_GATHERS)}")
 
@@ -233,6 +286,18 @@ class LayoutSpec:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def runtime_schedule(self) -> str:
+        """The runtime schedule that validates this layout: its own, or a planner-only
+        schedule's stand-in (`PLANNER_SCHEDULES`) until the runtime runs it."""
+        return self.schedule if self.schedule in SCHEDULES else PLANNER_SCHEDULES[self.schedule]
+
+    def runtime_gaps(self) -> tuple[str, ...]:
+        """What of this layout ``fivefold train`` cannot run (the planner costs it anyway)."""
+        if self.pp > 1 and self.schedule not in SCHEDULES:
+            return (f"the {self.schedule} pipeline schedule (planned with its published bubble and overlap)",)
+        return ()
 
     def with_states(self, zero: int, recompute: str) -> "LayoutSpec":
         """This layout with another ZeRO stage and recomputation (checked, without re-checking
@@ -272,6 +337,8 @@ class LayoutSpec:
         if self.recompute != "none":
             parts.append(f"recompute={self.recompute}")
         parts.append(f"mb={self.micro_batch}")
+        if self.expert_imbalance != 1.0:
+            parts.append(f"imbalance={self.expert_imbalance:g}")
         return ",".join(parts)
 
 
@@ -281,6 +348,7 @@ _LAYOUT_KEYS = {
     "global_batch": "global_batch", "schedule": "schedule", "sp": "sequence_parallel",
     "sequence_parallel": "sequence_parallel", "recompute": "recompute", "cp_kind": "cp_kind",
     "dp_shard": "dp_shard", "zero3_gather": "zero3_gather",
+    "imbalance": "expert_imbalance", "expert_imbalance": "expert_imbalance",
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -305,6 +373,11 @@ def parse_layout(text: str, **defaults) -> LayoutSpec:
             if raw.lower() not in _TRUE | _FALSE:
                 raise PlanError(f"layout item {item!r}: use sp=1 or sp=0")
             values[field_name] = raw.lower() in _TRUE
+        elif field_name == "expert_imbalance":
+            try:
+                values[field_name] = float(raw)
+            except ValueError:
+                raise PlanError(f"layout item {item!r}: {key} must be a number >= 1.0") from None
         else:
             try:
                 values[field_name] = int(raw)

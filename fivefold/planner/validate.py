@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from ..config import Config
 from ..rules.layout import LayoutError, validate
+from ..rules.node_routing import RoutingError, check_route_nodes, ep_nodes
 from .bridge import runtime_config
 from .errors import PlanError
+from .hardware import Hardware
 from .spec import LayoutSpec, ModelSpec
 
 
@@ -28,3 +30,19 @@ def check_layout(model: ModelSpec, layout: LayoutSpec, gpus: int | None = None,
         return validate(runtime_config(model, layout, precision))
     except LayoutError as err:
         raise PlanError(str(err)) from None
+
+
+def routes(model: ModelSpec, layout: LayoutSpec, hw: Hardware) -> bool:
+    """Whether the model's node-limited routing can run on ``layout``'s expert-parallel groups."""
+    return not (model.is_moe and model.route_nodes) or model.route_nodes <= ep_nodes(layout.ep, layout.tp,
+                                                                                        hw.gpus_per_node)
+
+
+def check_routing(model: ModelSpec, layout: LayoutSpec, hw: Hardware) -> None:
+    """Raise `PlanError` (naming the fix) when node-limited routing asks for more nodes than an
+    expert-parallel group of ``layout`` spans on ``hw`` (`fivefold.rules.node_routing`)."""
+    if model.is_moe and model.route_nodes:
+        try:
+            check_route_nodes(model.route_nodes, layout.ep, layout.tp, hw.gpus_per_node)
+        except RoutingError as err:
+            raise PlanError(str(err)) from None

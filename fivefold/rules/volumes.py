@@ -322,7 +322,7 @@ def analytic_cp_bytes(algorithm: str, cp: int, batch: int, local_len: int, heads
 
 
 def ep_layer_calls(routed_elems: int, eb: ElementBytes, num_experts: int, forward_passes: int = 1,
-                   count_bytes: int = 8) -> list[Call]:
+                   count_bytes: int = 8, fp8_bytes: int = 0) -> list[Call]:
     """One MoE layer, one micro-batch, balanced routing: dispatch and combine all-to-alls of
     the rank's routed token copies (``routed_elems`` elements) in each forward pass and once
     backward; each dispatch first exchanges the slots per expert (``num_experts`` int64 counts).
@@ -331,12 +331,16 @@ def ep_layer_calls(routed_elems: int, eb: ElementBytes, num_experts: int, forwar
 
     A recomputed forward (`forward_passes`) exchanges all three again: the combine's output
     is saved by the weighting of the expert outputs that follows it, so torch's checkpoint
-    does not stop before it."""
+    does not stop before it.
+
+    With FP8 GEMMs (``fp8_bytes``, `fivefold.rules.fp8`) the dispatch and the combine's gradient
+    carry the experts' FP8 inputs instead; the combine and the dispatch's gradient do not."""
     dispatch, combine = routed_elems * eb.residual, routed_elems * eb.compute
+    to_experts = routed_elems * fp8_bytes if fp8_bytes else None
     return [Call("all_to_all", num_experts * count_bytes, forward_passes, "fwd", "slots per expert"),
-            Call("all_to_all", dispatch, forward_passes, "fwd", "dispatch"),
+            Call("all_to_all", to_experts or dispatch, forward_passes, "fwd", "dispatch"),
             Call("all_to_all", combine, forward_passes, "fwd", "combine"),
-            Call("all_to_all", combine, 1, "bwd", "combine grad"),
+            Call("all_to_all", to_experts or combine, 1, "bwd", "combine grad"),
             Call("all_to_all", dispatch, 1, "bwd", "dispatch grad")]
 
 

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine, save it as the 'cpu' hardware, and plan for it")
     p.add_argument("--top", type=int, default=10, help="how many layouts to show")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
+                   help="fp8: the linear layers DeepSeek-V3 runs in FP8 at the FP8 peak, the rest as bf16")
     p.add_argument("--optimizer", default="adam", help="adam, adamw or sgd")
     p.add_argument("--compare", choices=("zero", "schedule", "axes", "hsdp", "zero3-pp"), default=None,
                    help="zero: memory per ZeRO stage; schedule: bubble and activations per pipeline schedule "
@@ -89,6 +90,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     else:
         out.print(format_table(cands, top=args.top))
         out.print(text, highlight=False)
+        _print_runtime_gaps(model, out)
     return 0
 
 
@@ -105,7 +107,15 @@ def _one_layout(args: argparse.Namespace, model, hardware: str, out: Console) ->
         print(to_json(e))
     else:
         out.print(format_breakdown(e))
+        _print_runtime_gaps(model, out, layout)
     return 0
+
+
+def _print_runtime_gaps(model, out: Console, layout=None) -> None:
+    """Say which parts of a planned shape or layout `fivefold train` cannot train: the plan is
+    the planner's alone there."""
+    for gap in (*model.runtime_gaps(), *(layout.runtime_gaps() if layout else ())):
+        out.print(f"[bold yellow]planner only:[/] fivefold train cannot train {gap}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover - thin wrapper
