@@ -135,8 +135,9 @@ def document_causal_attention(
     on CUDA) nothing the size of Tq x Tk exists and memory grows linearly with the sequence.
     A boolean mask instead sends SDPA to a kernel that takes the mask as a (Tq, Tk) tensor
     (on CPU converted to float, on CUDA with GQA the math kernel's full scores). FlexAttention
-    would also avoid the mask, but on CPU it needs torch.compile (benchmarks/bench_docmask.py
-    measures its compile time and its step). The queries of a document that starts before
+    would also avoid the mask, but on CPU it runs only under torch.compile (70 s for a first
+    forward on this project's 2-core test machine) and torch 2.13 has no backward for it there
+    (benchmarks/bench_docmask.py); SDPA's kernels need neither, on every device. The queries of a document that starts before
     `query_start` (all-gather context parallel) are padded at the front with zeros, which
     aligns the causal diagonal at the bottom right; the padding's outputs are dropped, and
     its zero output gradient adds exact zeros to dK and dV.
