@@ -73,6 +73,82 @@ def grouped_query_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def document_boundaries(documents: torch.Tensor) -> list[list[int]]:
+    """Per sequence of documents (B, T): the start of every document, then T.
+
+    The boundaries size the per-document pieces, so they are read to the host: one transfer
+    per call, data-dependent by nature (on CPU a plain copy, on CUDA a device sync).
+    """
+    B, T = documents.shape
+    rows, starts = (documents[:, 1:] != documents[:, :-1]).nonzero(as_tuple=True)
+    bounds: list[list[int]] = [[0] for _ in range(B)]
+    for row, start in zip(rows.tolist(), starts.tolist()):
+        bounds[row].append(start + 1)
+    return [b + [T] for b in bounds]
+
+
+def _document_pieces(bounds: list[int], query_start: int, query_end: int) -> list[tuple[int, int]]:
+    """(document start, query start) of each document holding queries in [query_start, query_end).
+
+    The pieces tile the query range in order; a piece's queries end where the next begins.
+    """
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > query_start and start < query_end:
+            pieces.append((start, max(start, query_start)))
+    return pieces
+
+
+def _row_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], query_start: int
+) -> torch.Tensor:
+    """One sequence: q (Hq, Tq, d) at positions [query_start, query_start + Tq), k, v (Hkv, Tk, d) from 0."""
+    query_end = query_start + q.shape[1]
+    pieces = _document_pieces(bounds, query_start, query_end)
+    query_ends = [lo for _, lo in pieces[1:]] + [query_end]
+    # One split per tensor (its backward is one concatenation), not a slice per document.
+    q_parts = q.split([hi - lo for (_, lo), hi in zip(pieces, query_ends)], dim=1)
+    key_cuts = [pieces[0][0]] + query_ends  # a document's keys run from its start to its last query
+    key_sizes = [key_cuts[0]] + [b - a for a, b in zip(key_cuts[:-1], key_cuts[1:])] + [k.shape[1] - query_end]
+    k_parts, v_parts = k.split(key_sizes, dim=1)[1:-1], v.split(key_sizes, dim=1)[1:-1]
+    outs = []
+    for (doc_start, lo), q_part, k_part, v_part in zip(pieces, q_parts, k_parts, v_parts):
+        earlier = lo - doc_start  # keys of this document before the first query (held by other ranks' queries)
+        if earlier:  # causal alignment at the bottom right: queries of zeros in front, dropped after
+            q_part = torch.cat([q_part.new_zeros(q_part.shape[0], earlier, q_part.shape[2]), q_part], dim=1)
+        out = grouped_query_attention(q_part[None], k_part[None], v_part[None])[0]
+        outs.append(out[:, earlier:])
+    return torch.cat(outs, dim=1)
+
+
+def document_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, query_start: int = 0
+) -> torch.Tensor:
+    """Causal attention that stays inside packed documents, without a (Tq, Tk) mask.
+
+    q (B, Hq, Tq, d): the tokens at positions [query_start, query_start + Tq) of the sequences;
+    k, v (B, Hkv, Tk, d): the tokens at positions [0, Tk), Tk >= query_start + Tq;
+    documents (B, T): document index of every token of the whole sequences.
+
+    Variable-length attention: each document's queries run the causal SDPA kernel on that
+    document's keys alone, so with the fused kernels (flash on CPU and CUDA, memory-efficient
+    on CUDA) nothing the size of Tq x Tk exists and memory grows linearly with the sequence.
+    A boolean mask instead sends SDPA to a kernel that takes the mask as a (Tq, Tk) tensor
+    (on CPU converted to float, on CUDA with GQA the math kernel's full scores). FlexAttention
+    would also avoid the mask, but on CPU it runs only under torch.compile (70 s for a first
+    forward on this project's 2-core test machine) and torch 2.13 has no backward for it there
+    (benchmarks/bench_docmask.py); SDPA's kernels need neither, on every device. The queries of a document that starts before
+    `query_start` (all-gather context parallel) are padded at the front with zeros, which
+    aligns the causal diagonal at the bottom right; the padding's outputs are dropped, and
+    its zero output gradient adds exact zeros to dK and dV.
+    """
+    bounds = document_boundaries(documents)
+    rows = [
+        _row_document_attention(q[b], k[b], v[b], bounds[b], query_start) for b in range(q.shape[0])
+    ]
+    return torch.stack(rows)
+
+
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d)) v with a causal mask, for q (B, Hq, T, d) and k, v (B, Hkv, T, d).
 
@@ -85,8 +161,7 @@ class AttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         if documents is None:
             return grouped_query_attention(q, k, v)
-        pos = torch.arange(q.shape[2], device=q.device)
-        return grouped_query_attention(q, k, v, document_causal_mask(documents, documents, pos, pos))
+        return document_causal_attention(q, k, v, documents)
 
 
 class Attention(nn.Module):

@@ -18,9 +18,10 @@ mask, which stays exact across segments. Three attention algorithms (`layout.cp_
   sequence, attention runs locally, and an all-to-all turns the output back.
 
 Packed documents (`data.document_mask`): every core receives the document index of every
-token of the whole sequences (B, T) and adds "same document" to its causal mask, in global
-positions. The ring builds the mask of each K/V block it holds (Tq x Tk, never s x s), passes
-it to the fused CPU kernel, and skips a block in which no query sees any key.
+token of the whole sequences (B, T). All-gather and Ulysses run the single-process path
+(`document_causal_attention`: each document's queries on that document's keys with the causal
+kernel, no mask of any size). The ring builds the mask of each K/V block it holds (Tq x Tk,
+never s x s), passes it to the fused CPU kernel, and skips a block in which no query sees any key.
 
 Grouped-query attention: K/V keep their own heads in every core and are never repeated to
 the query heads: SDPA takes them with `enable_gqa` and the fused CPU kernel of the ring
@@ -47,7 +48,12 @@ from ..config import Config
 from ..rules.layout import ZIGZAG_ALGORITHMS
 from ..rules.layout import sequence_segments
 from .mesh import Axis, Mesh
-from ..model.attention import document_causal_mask, grouped_query_attention, positions_in_documents
+from ..model.attention import (
+    document_causal_attention,
+    document_causal_mask,
+    grouped_query_attention,
+    positions_in_documents,
+)
 from ..model.llama import Block, Transformer
 from ..model.moe import MoE
 from ..model.step import MicroBatch
@@ -402,13 +408,13 @@ class AllGatherKVCore(nn.Module):
         n, T, Hkv = self.axis.size, q.shape[2], k.shape[1]
         kv = torch.cat([k, v], dim=1)  # (B, 2Hkv, T, d): one collective for both
         kv = comm.all_gather_to_full(kv, self.axis, dim=2)  # (B, 2Hkv, n*T, d); backward: reduce-scatter
+        k, v = kv[:, :Hkv], kv[:, Hkv:]  # K/V grouped, not repeated
+        if documents is not None:  # per document, no (T, n*T) mask
+            return document_causal_attention(q, k, v, documents, query_start=self.axis.rank * T)
         q_pos = torch.arange(self.axis.rank * T, (self.axis.rank + 1) * T, device=q.device)
         k_pos = torch.arange(n * T, device=q.device)
-        if documents is None:
-            visible = q_pos[:, None] >= k_pos[None, :]  # (T, n*T) exact causal mask in global positions
-        else:
-            visible = document_causal_mask(documents[:, q_pos], documents, q_pos, k_pos)  # (B, 1, T, n*T)
-        return grouped_query_attention(q, kv[:, :Hkv], kv[:, Hkv:], visible)  # K/V grouped, not repeated
+        visible = q_pos[:, None] >= k_pos[None, :]  # (T, n*T) exact causal mask in global positions
+        return grouped_query_attention(q, k, v, visible)
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -458,11 +464,10 @@ class UlyssesCore(nn.Module):
         qkv = torch.cat([t.reshape(B, n, -1, T, d) for t in (q, k, v)], dim=2)  # (B, n, hq+2hkv, T, d)
         qkv = _seq_to_heads(qkv.reshape(B, -1, T, d), self.axis)  # (B, hq+2hkv, n*T, d)
         q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-        mask = None
-        if documents is not None:
-            pos = torch.arange(n * T, device=q.device)
-            mask = document_causal_mask(documents, documents, pos, pos)  # (B, 1, n*T, n*T)
-        y = grouped_query_attention(q, k, v, mask)  # (B, hq, n*T, d): whole sequences, positions in order
+        if documents is None:
+            y = grouped_query_attention(q, k, v)  # (B, hq, n*T, d): whole sequences, positions in order
+        else:
+            y = document_causal_attention(q, k, v, documents)  # the single-process path, on a head group
         return _heads_to_seq(y, self.axis)
 
 

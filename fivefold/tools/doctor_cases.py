@@ -210,7 +210,7 @@ def device_vs_cpu(bench: Bench) -> tuple[str, dict]:
 
 def sdpa_kernels(bench: Bench) -> tuple[str, dict]:
     """Which SDPA kernel each attention path of the model runs, named from the profiler's events."""
-    from ..model.attention import document_causal_mask, grouped_query_attention
+    from ..model.attention import document_causal_attention, grouped_query_attention
 
     B, T, d = 2, (64 if bench.quick else 1024), 64
     dtype = torch.bfloat16 if bench.device.type == "cuda" else torch.float32
@@ -222,11 +222,10 @@ def sdpa_kernels(bench: Bench) -> tuple[str, dict]:
         return tensor(8), tensor(kv_heads), tensor(kv_heads)
 
     docs = (torch.arange(T, device=bench.device) // (T // 4)).expand(B, T)
-    position = torch.arange(T, device=bench.device)
     paths: dict[str, Callable[[], torch.Tensor]] = {
         "causal": lambda: grouped_query_attention(*inputs(8)),
         "causal, grouped heads": lambda: grouped_query_attention(*inputs(2)),
-        "document mask": lambda: grouped_query_attention(*inputs(2), document_causal_mask(docs, docs, position, position)),
+        "document mask": lambda: document_causal_attention(*inputs(2), docs),  # per document, no mask
     }
     used = {name: _attention_kernels(run, bench.device) for name, run in paths.items()}
     if not all(used.values()):

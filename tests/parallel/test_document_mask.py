@@ -9,9 +9,18 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.model.attention import document_causal_mask, positions_in_documents
+from fivefold.config import Layout
+from fivefold.model.attention import (
+    AttentionCore,
+    document_causal_attention,
+    document_causal_mask,
+    grouped_query_attention,
+    positions_in_documents,
+)
 from fivefold.parallel.context_parallel import (
+    CORES,
     _ring_block,
+    saved_activation_bytes,
     block_forward,
     block_forward_reference,
     local_positions,
@@ -85,6 +94,97 @@ def test_ring_skips_blocks_wholly_in_other_documents():
     whole = torch.zeros(1, seq, dtype=torch.long)
     assert not any(_ring_block(whole, (r - s) % cp, r, cp, seq // cp)[4] for r in range(cp) for s in range(cp))
     assert local_positions("ring", cp, 0, seq).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def _ragged_documents(B: int, T: int, seed: int) -> torch.Tensor:
+    """(B, T) document ids: documents of 1..T/2 tokens, so some cross any segment boundary."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T // 2 + 1, (B, T), generator=gen)
+    return torch.stack([torch.repeat_interleave(torch.arange(T), row)[:T] for row in lengths])
+
+
+def _masked_reference(q, k, v, documents, query_start: int):
+    """The materialising oracle: SDPA with the boolean (B, 1, Tq, Tk) same-document causal mask."""
+    q_pos = torch.arange(query_start, query_start + q.shape[2])
+    k_pos = torch.arange(k.shape[2])
+    return grouped_query_attention(q, k, v, document_causal_mask(documents[:, q_pos], documents, q_pos, k_pos))
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-12), (torch.float32, 4e-6)])
+@pytest.mark.parametrize("query_start, Tq", [(0, 48), (0, 17), (13, 20), (24, 24)])
+def test_document_attention_equals_the_masked_reference(dtype, bound, query_start, Tq):
+    """Per-document causal kernels (no mask) against the masked oracle: output and the three
+    gradients, GQA (8 query heads on 2 K/V heads), queries starting inside a document
+    (all-gather context parallel), one-token documents and a sequence of one document."""
+    gen = torch.Generator().manual_seed(Tq + query_start)
+    B, Hq, Hkv, T, d = 3, 8, 2, 48, 8
+    documents = _ragged_documents(B, T, seed=1)
+    documents[0, :7] = torch.arange(-7, 0)  # one-token documents
+    documents[1] = 0  # one document: the plain causal case
+    q = torch.randn(B, Hq, Tq, d, generator=gen, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, T, d, generator=gen, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad = torch.randn(B, Hq, Tq, d, generator=gen, dtype=dtype)
+    out = document_causal_attention(q, k, v, documents, query_start)
+    ref = _masked_reference(q, k, v, documents, query_start)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert (a - b).abs().max().item() < bound, name
+
+
+def _document_core_saved_bytes(T: int, core: torch.nn.Module | None = None) -> int:
+    """Bytes the single-process core saves for backward, documents of T/4 tokens."""
+    B, Hq, Hkv, d = 1, 4, 2, 8
+    documents = torch.arange(T).div(T // 4, rounding_mode="floor")[None]
+    q = torch.randn(B, Hq, T, d, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, T, d, requires_grad=True) for _ in range(2))
+    core = core or AttentionCore()
+    return saved_activation_bytes(lambda: core(q, k, v, documents))
+
+
+class _MaskedCore(AttentionCore):
+    def forward(self, q, k, v, documents=None):  # type: ignore[override]
+        return _masked_reference(q, k, v, documents, 0)
+
+
+def test_document_attention_saves_linear_in_sequence_length():
+    """Doubling the sequence (same four documents, twice as long) doubles what the core saves
+    for backward: no tensor of T x T elements, as the masked path keeps (its mask)."""
+    saved = [_document_core_saved_bytes(T) for T in (256, 512)]
+    assert saved[1] == 2 * saved[0], saved
+    masked = [_document_core_saved_bytes(T, _MaskedCore()) for T in (256, 512)]
+    assert masked[1] > 3 * masked[0], masked  # the oracle is quadratic: the test can tell
+
+
+def _cores_with_documents(ctx, cases):
+    """Each cp core on this rank's segment with packed documents (float64) against the masked
+    oracle on the whole sequence: largest error of output and gradients per case."""
+    results = []
+    for algorithm, cp, Hq, Hkv, T in cases:
+        mesh = ctx.mesh(Layout(cp=cp, dp=ctx.world_size // cp))
+        gen = torch.Generator().manual_seed(T + Hq)
+        B, d = 2, 8
+        documents = _ragged_documents(B, T, seed=T)
+        q, k, v, grad = (torch.randn(B, h, T, d, generator=gen, dtype=torch.float64) for h in (Hq, Hkv, Hkv, Hq))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        ref = _masked_reference(q, k, v, documents, 0)
+        ref.backward(grad)
+        pos = local_positions(algorithm, cp, mesh.cp.rank, T)
+        local = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
+        out = CORES[algorithm](mesh.cp)(*local, documents)
+        out.backward(grad[:, :, pos])
+        errors = [(out - ref[:, :, pos]).abs().max().item()]
+        errors += [(t.grad - full.grad[:, :, pos]).abs().max().item() for t, full in zip(local, (q, k, v))]
+        results.append(max(errors))
+    return results
+
+
+def test_every_cp_core_with_documents_equals_the_masked_reference(pools):
+    """ring, allgather and ulysses at cp=2, GQA head counts (8 on 2, 4 on 1), ragged documents."""
+    cases = [(a, 2, Hq, Hkv, 24) for a in CORES for Hq, Hkv in ((8, 2), (4, 1))]
+    for rank_errors in pools.run(2, _cores_with_documents, cases):
+        for case, error in zip(cases, rank_errors):
+            assert error < 1e-12, (case, error)
 
 
 def test_attention_does_not_cross_documents(prepared):
