@@ -384,7 +384,9 @@ def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tup
     ms_e = zero_model_states(expert, groups.expert_shard, zero, sb, pp=lay.pp,
                              gather=lay.zero3_gather)  # no expert gradient has a finalizer
     buffers = 0
-    if zero == 3 and n_dense + n_moe:
+    # Gathering per micro-batch holds the unit in use and the one prefetched besides the shards;
+    # gathering once per step holds every unit full, which zero_model_states already counts.
+    if zero == 3 and n_dense + n_moe and not volumes.zero3_gathers_once_per_step(lay.zero3_gather):
         per = [ctx.costs[k] for k, n in ((False, n_dense), (True, n_moe)) if n]
         buffers = int(2 * sb.param * max(c.dense_params + c.expert_params for c in per))
     return (ms_d.params + ms_e.params, ms_d.grads + ms_e.grads, ms_d.optimizer + ms_e.optimizer, buffers)

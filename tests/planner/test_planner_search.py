@@ -42,6 +42,25 @@ def test_search_returns_valid_layouts_best_first():
     assert [e.step_time_s for _, e in top] == pytest.approx(times[:5])
 
 
+def test_search_tries_zero3_gathering_once_per_step_beside_gathering_per_micro_batch():
+    """Gathering once per step is a candidate, with and without pipeline stages, and is not pruned
+    by a lower ZeRO stage that fits (it moves as few bytes as ZeRO-1/2, overlapped differently);
+    each is a layout `fivefold train` accepts, costed as `estimate` costs it."""
+    from fivefold.planner.bridge import runtime_config
+    from fivefold.rules.layout import validate
+
+    cands = search(SMALL, gpus=4, hardware="A100-80GB", global_batch=16, top=None)
+    step = [(lay, e) for lay, e in cands if lay.zero3_gather == "step"]
+    assert step and all(lay.zero == 3 for lay, _ in step)
+    assert {lay.pp > 1 for lay, _ in step} == {False, True}
+    shapes = lambda zero, gather: {lay.with_states(0, lay.recompute, "micro_batch")  # noqa: E731
+                                   for lay, _ in cands if lay.zero == zero and lay.zero3_gather == gather}
+    assert shapes(3, "step") & shapes(1, "micro_batch")
+    for lay, e in step[:5]:
+        assert validate(runtime_config(SMALL, lay, "bf16")).layout.zero3_gather == "step"
+        assert e.memory.total == estimate(SMALL, lay, "A100-80GB").memory.total
+
+
 def test_search_raises_when_nothing_fits():
     with pytest.raises(PlanError, match="no layout .* fits"):
         search(load_model("llama3-70b"), gpus=1, hardware="V100-32GB", global_batch=8)
