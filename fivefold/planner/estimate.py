@@ -57,7 +57,8 @@ from .comm import (
     volumes_by_kind,
 )
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
-from .hardware import Hardware, get_hardware
+from .errors import PlanError
+from .hardware import GiB, Hardware, get_hardware
 from .model_states import StateBytes, state_bytes, zero_model_states
 from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params
 from .pipeline import bubble_units, in_flight, in_flight_embedding, in_flight_output, stage_layers
@@ -287,6 +288,24 @@ def estimate_run(config: Config, hardware: str | Hardware = "H100-80GB", optimiz
     layout = layout_spec(config.layout, config.train.global_batch)
     hw = get_hardware(hardware)
     return estimate_valid(spec, layout, hw, "bf16" if config.train.dtype == "bf16" else "fp32", optimizer)
+
+
+def check_kept_gather_fits(e: Estimate) -> None:
+    """Refuse a layout that keeps ZeRO-3's parameters gathered through the step
+    (``zero3_gather="step"``) where that does not fit, with what it needs and what gathering
+    per micro-batch would need: the fix is a policy change, not a bigger machine.
+
+    Other layouts that do not fit are reported (``fits=False``), not refused: the planner
+    shows their breakdown, and the search looks for another layout."""
+    lay = e.layout
+    if e.fits or lay.zero != 3 or not volumes.zero3_gathers_once_per_step(lay.zero3_gather):
+        return
+    per_micro_batch = estimate_valid(e.model, lay.with_states(3, lay.recompute, "micro_batch"), e.hardware,
+                                     e.precision, e.optimizer)
+    raise PlanError(
+        f"zero3_gather=step keeps every parameter of a stage gathered through the step and needs "
+        f"{e.memory.total / GiB:.1f} GiB per device, but {e.hardware.name} has {e.hardware.usable_memory_bytes / GiB:.1f} "
+        f"GiB usable; use zero3_gather=micro_batch (needs {per_micro_batch.memory.total / GiB:.1f} GiB) or more pp or tp")
 
 
 def estimate_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,

@@ -170,3 +170,20 @@ def test_cli_bad_input_returns_2(capsys):
     assert "--gpus must be at least 1, got 0" in capsys.readouterr().err
     assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=4,dp_shard=3,zero=3", "--global-batch", "8"]) == 2
     assert "dp_shard=3 does not divide dp=4" in capsys.readouterr().err
+
+
+def test_plan_refuses_parameters_kept_gathered_that_cannot_fit_and_costs_those_that_do(capsys):
+    """One line with what `step` needs and what gathering per micro-batch would need; the same
+    policy in 8 pipeline stages fits and is costed."""
+    import re
+
+    unfit = ["--model", "llama3-70b", "--layout", "dp=64,zero=3,zero3_gather=step,recompute=full,mb=1"]
+    assert run_plan_cli(unfit) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    need, usable, instead = map(float, re.search(
+        r"needs ([\d.]+) GiB per device, but H100-80GB has ([\d.]+) GiB usable; "
+        r"use zero3_gather=micro_batch \(needs ([\d.]+) GiB\) or more pp or tp", err).groups())
+    assert instead < usable < need
+    assert run_plan_cli(["--model", "llama3-70b", "--global-batch", "512", "--layout",
+                         "dp=8,pp=8,zero=3,zero3_gather=step,recompute=full,mb=1"]) == 0

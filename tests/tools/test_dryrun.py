@@ -218,3 +218,15 @@ def test_recomputation_runs_on_the_meta_device_and_saves_less(recompute):
         assert abs(saved[recompute].difference) <= 0.05, (saved[recompute].measured, saved[recompute].planned)
     else:
         assert "recompute=full" in report.render()
+
+
+def test_parameters_kept_gathered_that_cannot_fit_are_refused_before_building(capsys):
+    """zero3_gather=step holds a stage's whole parameters through the step: llama3-70b without
+    pipeline stages cannot, and the refusal names the policy that fits."""
+    argv = ["--config", "llama3-70b", "--layout", "dp=64,zero=3,zero3_gather=step,micro_batch=1",
+            "--train.global_batch=64"]
+    assert main(["dryrun", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "zero3_gather=step keeps every parameter of a stage gathered" in err
+    assert "use zero3_gather=micro_batch (needs" in err and "or more pp or tp" in err
