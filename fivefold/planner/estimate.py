@@ -292,16 +292,20 @@ def estimate_run(config: Config, hardware: str | Hardware = "H100-80GB", optimiz
 
 def check_kept_gather_fits(e: Estimate) -> None:
     """Refuse a layout that keeps ZeRO-3's parameters gathered through the step
-    (``zero3_gather="step"``) where that does not fit, with what it needs and what gathering
-    per micro-batch would need: the fix is a policy change, not a bigger machine.
+    (``zero3_gather="step"``) where that alone keeps it from fitting (gathering per micro-batch
+    would fit), with what it needs and what gathering per micro-batch would need: the fix is a
+    policy change, not a bigger machine.
 
-    Other layouts that do not fit are reported (``fits=False``), not refused: the planner
-    shows their breakdown, and the search looks for another layout."""
+    Other layouts that do not fit, this one included when gathering per micro-batch would not
+    fit either, are reported (``fits=False``), not refused: the planner shows their breakdown,
+    and the search looks for another layout."""
     lay = e.layout
     if e.fits or lay.zero != 3 or not volumes.zero3_gathers_once_per_step(lay.zero3_gather):
         return
     per_micro_batch = estimate_valid(e.model, lay.with_states(3, lay.recompute, "micro_batch"), e.hardware,
                                      e.precision, e.optimizer)
+    if not per_micro_batch.fits:
+        return
     raise PlanError(
         f"zero3_gather=step keeps every parameter of a stage gathered through the step and needs "
         f"{e.memory.total / GiB:.1f} GiB per device, but {e.hardware.name} has {e.hardware.usable_memory_bytes / GiB:.1f} "

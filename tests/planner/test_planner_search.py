@@ -187,3 +187,7 @@ def test_plan_refuses_parameters_kept_gathered_that_cannot_fit_and_costs_those_t
     assert instead < usable < need
     assert run_plan_cli(["--model", "llama3-70b", "--global-batch", "512", "--layout",
                          "dp=8,pp=8,zero=3,zero3_gather=step,recompute=full,mb=1"]) == 0
+    # on 8 devices neither policy fits: the breakdown says so, as for any layout that does not fit
+    capsys.readouterr()
+    assert run_plan_cli(["--model", "llama3-70b", "--layout", "dp=8,zero=3,zero3_gather=step,recompute=full,mb=1"]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out

@@ -241,7 +241,7 @@ def test_recomputation_runs_on_the_meta_device_and_saves_less(recompute):
 def test_parameters_kept_gathered_that_cannot_fit_are_refused_before_building(capsys):
     """zero3_gather=step holds a stage's whole parameters through the step: llama3-70b without
     pipeline stages cannot, and the refusal names the policy that fits."""
-    argv = ["--config", "llama3-70b", "--layout", "dp=64,zero=3,zero3_gather=step,micro_batch=1",
+    argv = ["--config", "llama3-70b", "--layout", "dp=64,zero=3,zero3_gather=step,recompute=full,micro_batch=1",
             "--train.global_batch=64"]
     assert main(["dryrun", *argv]) == 2
     err = capsys.readouterr().err.strip()
