@@ -57,7 +57,8 @@ from .comm import (
     volumes_by_kind,
 )
 from .flops import attention_width, hardware_flops_per_step, model_flops_per_step
-from .hardware import Hardware, get_hardware
+from .errors import PlanError
+from .hardware import GiB, Hardware, get_hardware
 from .model_states import StateBytes, state_bytes, zero_model_states
 from .params import embedding_block, head_block, is_tied, kv_replica_params, layer_params, selective_recompute_matmul
 from .pipeline import (
@@ -312,6 +313,28 @@ def estimate_run(config: Config, hardware: str | Hardware = "H100-80GB", optimiz
     return estimate_valid(spec, layout, hw, "bf16" if config.train.dtype == "bf16" else "fp32", optimizer)
 
 
+def check_kept_gather_fits(e: Estimate) -> None:
+    """Refuse a layout that keeps ZeRO-3's parameters gathered through the step
+    (``zero3_gather="step"``) where that alone keeps it from fitting (gathering per micro-batch
+    would fit), with what it needs and what gathering per micro-batch would need: the fix is a
+    policy change, not a bigger machine.
+
+    Other layouts that do not fit, this one included when gathering per micro-batch would not
+    fit either, are reported (``fits=False``), not refused: the planner shows their breakdown,
+    and the search looks for another layout."""
+    lay = e.layout
+    if e.fits or lay.zero != 3 or not volumes.zero3_gathers_once_per_step(lay.zero3_gather):
+        return
+    per_micro_batch = estimate_valid(e.model, lay.with_states(3, lay.recompute, "micro_batch"), e.hardware,
+                                     e.precision, e.optimizer)
+    if not per_micro_batch.fits:
+        return
+    raise PlanError(
+        f"zero3_gather=step keeps every parameter of a stage gathered through the step and needs "
+        f"{e.memory.total / GiB:.1f} GiB per device, but {e.hardware.name} has {e.hardware.usable_memory_bytes / GiB:.1f} "
+        f"GiB usable; use zero3_gather=micro_batch (needs {per_micro_batch.memory.total / GiB:.1f} GiB) or more pp or tp")
+
+
 def estimate_valid(model: ModelSpec, layout: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
                    cache: CostCache | None = None, ctx: _Ctx | None = None) -> Estimate:
     """`estimate` of a layout already validated (by `check_layout` or the search)."""
@@ -407,7 +430,9 @@ def _stage_states(ctx: _Ctx, s: int, n_dense: int, n_moe: int, zero: int) -> tup
     ms_e = zero_model_states(expert, groups.expert_shard, zero, sb, pp=lay.pp,
                              gather=lay.zero3_gather)  # no expert gradient has a finalizer
     buffers = 0
-    if zero == 3 and n_dense + n_moe:
+    # Gathering per micro-batch holds the unit in use and the one prefetched besides the shards;
+    # gathering once per step holds every unit full, which zero_model_states already counts.
+    if zero == 3 and n_dense + n_moe and not volumes.zero3_gathers_once_per_step(lay.zero3_gather):
         per = [ctx.costs[k] for k, n in ((False, n_dense), (True, n_moe)) if n]
         buffers = int(2 * sb.param * max(c.dense_params + c.expert_params for c in per))
     return (ms_d.params + ms_e.params, ms_d.grads + ms_e.grads, ms_d.optimizer + ms_e.optimizer, buffers)

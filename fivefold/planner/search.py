@@ -5,6 +5,8 @@ Pruning (exact under the cost model, so no faster layout is lost): for a fixed s
 recomputation only adds FLOPs and communication and a higher ZeRO stage from 1 upwards
 only adds communication; so among the (ZeRO, recomputation) pairs that fit, only those
 not dominated in both are timed. ZeRO-0 and ZeRO-1 are both kept (their overlap differs).
+ZeRO-3 is tried with both gather policies (per micro-batch, once per step) and the two are
+pruned apart (`_frontier`).
 GPipe is not enumerated by default: it has 1F1B's bubble and more activation memory.
 
 With ``top`` set, structures are visited in order of a lower bound on their step time
@@ -34,16 +36,37 @@ _RECOMPUTE_ORDER = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def _frontier(fits: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """(zero, recompute) pairs not dominated by a pair with zero' <= zero and less recompute."""
+State = tuple[int, str, str]  # (ZeRO stage, ZeRO-3 gather policy, recomputation)
+
+
+def _frontier(fits: list[State]) -> list[State]:
+    """States not dominated by one with the same gather policy, zero' <= zero and less recompute.
+
+    ZeRO-3 gathering once per step is compared only with itself: it moves fewer bytes than
+    gathering per micro-batch but holds more, and its gathers overlap the forward where
+    ZeRO-1/2's follow the update, so neither it nor a lower stage is faster in every case."""
     rank = lambda r: _RECOMPUTE_ORDER.index(r)  # noqa: E731
     keep = []
-    for z, r in fits:
-        dominated = any((z2, r2) != (z, r) and rank(r2) <= rank(r) and (z2 <= z and not (z2 == 0 and z == 1))
-                        for z2, r2 in fits)
+    for z, g, r in fits:
+        dominated = any((z2, g2, r2) != (z, g, r) and g2 == g and rank(r2) <= rank(r)
+                        and (z2 <= z and not (z2 == 0 and z == 1))
+                        for z2, g2, r2 in fits)
         if not dominated:
-            keep.append((z, r))
+            keep.append((z, g, r))
     return keep
+
+
+def _state_memory(m: ModelSpec, lay: LayoutSpec, hw: Hardware, precision: str, optimizer: str,
+                  stages: tuple[int, ...], cache: CostCache) -> dict[State, int]:
+    """Worst-stage bytes of ``lay`` in every state: each accepted ZeRO stage gathering per
+    micro-batch, and ZeRO-3 also gathering once per step (`layout.zero3_gather`)."""
+    grid = memory_grid_valid(m, lay, hw, precision, optimizer, stages, cache=cache)
+    out = {(z, "micro_batch", r): v for (z, r), v in grid.items()}
+    if 3 in stages:
+        step = lay.with_states(lay.zero, lay.recompute, "step")
+        out.update({(z, "step", r): v for (z, r), v in memory_grid_valid(m, step, hw, precision, optimizer, (3,),
+                                                                         cache=cache).items()})
+    return out
 
 
 def _accepted(config: Config) -> Config | None:
@@ -161,15 +184,15 @@ def search(model: ModelSpec | str, gpus: int = 64, hardware: str | Hardware = "H
         if config is None:
             continue
         n_valid += 1
-        grid = memory_grid_valid(m, lay, hw, precision, optimizer, _zero_stages(config.layout), cache=cache)
+        grid = _state_memory(m, lay, hw, precision, optimizer, _zero_stages(config.layout), cache)
         fits = [k for k, v in grid.items() if v <= hw.usable_memory_bytes]
         if not fits:
-            k_min = min(grid, key=grid.__getitem__)
-            if smallest is None or grid[k_min] < smallest[0]:
-                smallest = (grid[k_min], lay.with_states(*k_min))
+            z, g, r = min(grid, key=grid.__getitem__)
+            if smallest is None or grid[z, g, r] < smallest[0]:
+                smallest = (grid[z, g, r], lay.with_states(z, r, g))
             continue
-        for z, r in _frontier(fits):
-            cand = lay.with_states(z, r)
+        for z, g, r in _frontier(fits):
+            cand = lay.with_states(z, r, g)
             if r != "none" and top and len(best) >= top and time_lower_bound(m, cand, hw, precision, cache) > -best[0]:
                 continue  # its recomputation alone makes it slower than the top ones
             est = estimate_valid(m, cand, hw, precision, optimizer, cache=cache)

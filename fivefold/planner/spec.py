@@ -299,13 +299,16 @@ class LayoutSpec:
             return (f"the {self.schedule} pipeline schedule (planned with its published bubble and overlap)",)
         return ()
 
-    def with_states(self, zero: int, recompute: str) -> "LayoutSpec":
-        """This layout with another ZeRO stage and recomputation (checked, without re-checking
-        the other fields: a search derives thousands of these)."""
+    def with_states(self, zero: int, recompute: str, zero3_gather: str | None = None) -> "LayoutSpec":
+        """This layout with another ZeRO stage and recomputation, and ZeRO-3 gather policy when
+        given (checked, without re-checking the other fields: a search derives thousands of these)."""
         if zero not in (0, 1, 2, 3) or recompute not in RECOMPUTE:
             raise PlanError(f"zero={zero!r}, recompute={recompute!r}: use zero 0-3 and one of {choices(RECOMPUTE)}")
+        gather = self.zero3_gather if zero3_gather is None else zero3_gather
+        if gather not in ZERO3_GATHERS:
+            raise UnknownNameError(f"zero3_gather={gather!r} is unknown; use one of {choices(ZERO3_GATHERS)}")
         new = object.__new__(LayoutSpec)
-        new.__dict__.update(self.__dict__, zero=zero, recompute=recompute)
+        new.__dict__.update(self.__dict__, zero=zero, recompute=recompute, zero3_gather=gather)
         return new
 
     @property

@@ -49,6 +49,8 @@ from ..observe.held_memory import HeldMemory, held_memory
 from ..planner import HARDWARE, Hardware
 from ..planner.bridge import layout_spec
 from ..planner.bridge import model_spec
+from ..planner.errors import PlanError
+from ..planner.estimate import check_kept_gather_fits, estimate_valid
 from ..planner.stages import StagePlan, stage_plans
 from ..rules.volumes import planner_axis_bytes
 
@@ -476,6 +478,16 @@ def prepare(config: Config, world_size: int | None, ranks: list[int] | None) -> 
     return config, ranks
 
 
+def refuse_what_cannot_fit(config: Config, hardware: Hardware) -> None:
+    """The planner's refusals of layouts that cannot fit (`check_kept_gather_fits`), before any rank is built."""
+    spec = model_spec(config.model, config.train.seq_len)
+    layout = layout_spec(config.layout, config.train.global_batch)
+    try:
+        check_kept_gather_fits(estimate_valid(spec, layout, hardware, planner_precision(config), "adam"))
+    except PlanError as err:
+        raise DryRunError(str(err)) from None
+
+
 def check_dry_run_size(config: Config) -> None:
     """Refuse layouts whose bookkeeping alone would not fit a dry run on one CPU.
 
@@ -594,6 +606,7 @@ def dry_run(config: Config, world_size: int | None = None, ranks: list[int] | No
     hw = resolve_hardware(hardware)
     config, note = without_autocast(config)
     config, ranks = prepare(config, world_size, ranks)
+    refuse_what_cannot_fit(config, hw)
     results = [run_rank(config, rank) for rank in ranks]
     notes = [note] + [RECOMPUTE_NOTE if config.layout.recompute == "full" else ""]
     return DryRun(config, hw, plan(config, hw), results, "; ".join(n for n in notes if n))

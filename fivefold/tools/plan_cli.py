@@ -8,7 +8,7 @@ import sys
 from rich.console import Console
 
 from ..planner.errors import PlanError
-from ..planner.estimate import estimate
+from ..planner.estimate import check_kept_gather_fits, estimate
 from ..planner.explain import explain
 from ..planner.hardware import HARDWARE, calibrate, calibration_path
 from ..planner.models import MODELS, load_model
@@ -53,7 +53,7 @@ def run_plan_cli(argv: list[str]) -> int:
     try:
         return _run(args, out, err)
     except PlanError as exc:
-        err.print(f"[bold red]fivefold plan:[/] {exc}", highlight=False)
+        err.print(f"[bold red]fivefold plan:[/] {exc}", highlight=False, soft_wrap=True)  # one line, whatever the width
         return 2
 
 
@@ -103,6 +103,7 @@ def _one_layout(args: argparse.Namespace, model, hardware: str, out: Console) ->
         raise PlanError(f"--layout uses {layout.world} devices but --gpus={args.gpus}; "
                         f"make dp*tp*pp*cp equal {args.gpus} or drop --gpus")
     e = estimate(model, layout, hardware, args.precision, args.optimizer)
+    check_kept_gather_fits(e)
     if args.json:
         print(to_json(e))
     else:

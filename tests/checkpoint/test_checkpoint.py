@@ -505,6 +505,9 @@ def save_then_resume(pools, saved, resumed, saved_steps: int, total_steps: int, 
         ("tiny", "dp=2,pp=2,zero=3,grad_accum=2", "dp=4,zero=1"),
         ("tiny", "dp=4,zero=1", "dp=2,pp=2,zero=3,grad_accum=2"),
         ("tiny-moe", "dp=2,pp=2,ep=2,zero=3,grad_accum=2", "dp=4,ep=2,zero=2"),
+        # parameters kept gathered through the step: the saved shards are the sharded masters
+        ("tiny", "dp=2,pp=2,zero=3,zero3_gather=step,grad_accum=2", "dp=2,tp=2,zero=1"),
+        ("tiny", "dp=2,tp=2,zero=1", "dp=2,pp=2,zero=3,zero3_gather=step,grad_accum=2"),
     ],
 )
 def test_resume_under_another_layout_matches_the_reference(pools, reference, tmp_path, preset, saved_layout, resumed_layout):

@@ -97,3 +97,13 @@ def test_a_gather_policy_without_zero3_or_unknown_is_refused():
         validate(_cfg(dp=2, zero=2, zero3_gather="step"))
     with pytest.raises(LayoutError, match="zero3_gather='always' is unknown; use one of micro_batch, step"):
         validate(_cfg(dp=2, zero=3, zero3_gather="always"))
+
+
+def test_zero3_in_three_pipeline_stages_matches_one_process(pools, reference):
+    """An odd number of stages on 6 ranks, the tiny model's 4 layers cut 1, 2, 1 (the first and
+    last stages also hold the embedding and the head): every stage's dp pair shards its own
+    blocks, under both gather policies."""
+    many_layout_parity(pools, reference, [
+        _cfg(pp=3, dp=2, zero=3, pp_schedule="1f1b", grad_accum=4),
+        _cfg(pp=3, dp=2, zero=3, zero3_gather="step", pp_schedule="1f1b", grad_accum=4),
+    ])

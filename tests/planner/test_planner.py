@@ -143,6 +143,18 @@ def test_estimate_memory_uses_zero_formulas(zero):
         m.num_params(), 4, zero, StateBytes(4, 4, 8))
 
 
+def test_zero3_gathering_once_per_step_holds_the_full_parameters_and_no_gather_buffers():
+    """Gathering per micro-batch holds the unit in use and the one prefetched; gathering once per
+    step holds every unit full beside its shard, which already covers the units in use."""
+    m = ModelSpec(arch="llama", layers=4, hidden=256, heads=8, ffn_hidden=512, vocab=1024, seq_len=128)
+    for lay in (LayoutSpec(dp=4, zero=3, global_batch=8), LayoutSpec(dp=4, pp=2, zero=3, global_batch=8)):
+        per_micro_batch = estimate(m, lay, "A100-80GB").memory
+        per_step = estimate(m, LayoutSpec(**{**lay.__dict__, "zero3_gather": "step"}), "A100-80GB").memory
+        assert per_micro_batch.buffers > 0 and per_step.buffers == 0
+        assert per_step.params - per_micro_batch.params == pytest.approx(4 * per_micro_batch.params, abs=4)
+        assert (per_step.grads, per_step.optimizer) == (per_micro_batch.grads, per_micro_batch.optimizer)
+
+
 def test_expert_states_shard_over_expert_data_parallel():
     m = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, ffn_hidden=128, vocab=128, seq_len=64,
                   num_experts=8, top_k=2, expert_ffn_hidden=32)

@@ -42,6 +42,25 @@ def test_search_returns_valid_layouts_best_first():
     assert [e.step_time_s for _, e in top] == pytest.approx(times[:5])
 
 
+def test_search_tries_zero3_gathering_once_per_step_beside_gathering_per_micro_batch():
+    """Gathering once per step is a candidate, with and without pipeline stages, and is not pruned
+    by a lower ZeRO stage that fits (it moves as few bytes as ZeRO-1/2, overlapped differently);
+    each is a layout `fivefold train` accepts, costed as `estimate` costs it."""
+    from fivefold.planner.bridge import runtime_config
+    from fivefold.rules.layout import validate
+
+    cands = search(SMALL, gpus=4, hardware="A100-80GB", global_batch=16, top=None)
+    step = [(lay, e) for lay, e in cands if lay.zero3_gather == "step"]
+    assert step and all(lay.zero == 3 for lay, _ in step)
+    assert {lay.pp > 1 for lay, _ in step} == {False, True}
+    shapes = lambda zero, gather: {lay.with_states(0, lay.recompute, "micro_batch")  # noqa: E731
+                                   for lay, _ in cands if lay.zero == zero and lay.zero3_gather == gather}
+    assert shapes(3, "step") & shapes(1, "micro_batch")
+    for lay, e in step[:5]:
+        assert validate(runtime_config(SMALL, lay, "bf16")).layout.zero3_gather == "step"
+        assert e.memory.total == estimate(SMALL, lay, "A100-80GB").memory.total
+
+
 def test_search_raises_when_nothing_fits():
     with pytest.raises(PlanError, match="no layout .* fits"):
         search(load_model("llama3-70b"), gpus=1, hardware="V100-32GB", global_batch=8)
@@ -152,3 +171,24 @@ def test_cli_bad_input_returns_2(capsys):
     assert "--gpus must be at least 1, got 0" in capsys.readouterr().err
     assert run_plan_cli(["--model", "llama3-8b", "--layout", "dp=4,dp_shard=3,zero=3", "--global-batch", "8"]) == 2
     assert "dp_shard=3 does not divide dp=4" in capsys.readouterr().err
+
+
+def test_plan_refuses_parameters_kept_gathered_that_cannot_fit_and_costs_those_that_do(capsys):
+    """One line with what `step` needs and what gathering per micro-batch would need; the same
+    policy in 8 pipeline stages fits and is costed."""
+    import re
+
+    unfit = ["--model", "llama3-70b", "--layout", "dp=64,zero=3,zero3_gather=step,recompute=full,mb=1"]
+    assert run_plan_cli(unfit) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    need, usable, instead = map(float, re.search(
+        r"needs ([\d.]+) GiB per device, but H100-80GB has ([\d.]+) GiB usable; "
+        r"use zero3_gather=micro_batch \(needs ([\d.]+) GiB\) or more pp or tp", err).groups())
+    assert instead < usable < need
+    assert run_plan_cli(["--model", "llama3-70b", "--global-batch", "512", "--layout",
+                         "dp=8,pp=8,zero=3,zero3_gather=step,recompute=full,mb=1"]) == 0
+    # on 8 devices neither policy fits: the breakdown says so, as for any layout that does not fit
+    capsys.readouterr()
+    assert run_plan_cli(["--model", "llama3-70b", "--layout", "dp=8,zero=3,zero3_gather=step,recompute=full,mb=1"]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out

@@ -12,6 +12,7 @@ few micro-batches per rank to keep the cases fast; the 405B case is the publishe
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -116,6 +117,23 @@ def test_llama3_405b_published_layout_on_16384_ranks():
     assert rows["activations saved"].measured > 0
 
 
+@pytest.mark.skipif(not os.environ.get("FIVEFOLD_SLOW_TESTS"),
+                    reason="builds two 405B stages on the meta device (minutes); set FIVEFOLD_SLOW_TESTS=1")
+@pytest.mark.parametrize("layout", ["tp=8,pp=16,dp=128,zero=3", "tp=8,pp=16,dp=128,dp_shard=8,zero=3"])
+def test_llama3_405b_zero3_inside_pipeline_stages_flat_and_hybrid_on_16384_ranks(layout):
+    """ZeRO-3 inside each of 16 stages, sharded over all 128 dp ranks or over shard groups of 8
+    replicated 16 times: the first and last stage agree with the planner."""
+    report = _dry_run("llama3-405b", layout, 16384, ranks=[0, 16383])
+    assert [r.stage for r in report.results] == [0, 15]
+    for result in report.results:
+        rows = _rows(report, result)
+        _check_states(rows)
+        _check_activations(rows)
+        _check_comm_exact(rows)
+        assert set(_comm(rows)) == {"dp", "pp", "tp"}
+        assert abs(rows["peak held + saved"].difference) <= 0.01
+
+
 @pytest.mark.parametrize(
     "preset, layout, world, overrides",
     [
@@ -218,3 +236,15 @@ def test_recomputation_runs_on_the_meta_device_and_saves_less(recompute):
         assert abs(saved[recompute].difference) <= 0.05, (saved[recompute].measured, saved[recompute].planned)
     else:
         assert "recompute=full" in report.render()
+
+
+def test_parameters_kept_gathered_that_cannot_fit_are_refused_before_building(capsys):
+    """zero3_gather=step holds a stage's whole parameters through the step: llama3-70b without
+    pipeline stages cannot, and the refusal names the policy that fits."""
+    argv = ["--config", "llama3-70b", "--layout", "dp=64,zero=3,zero3_gather=step,recompute=full,micro_batch=1",
+            "--train.global_batch=64"]
+    assert main(["dryrun", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "zero3_gather=step keeps every parameter of a stage gathered" in err
+    assert "use zero3_gather=micro_batch (needs" in err and "or more pp or tp" in err
