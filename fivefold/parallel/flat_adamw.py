@@ -24,6 +24,7 @@ from .buckets import FlatBucket, Segment
 from .mesh import Mesh
 from .optim import (
     AdamWSettings, SquaredNormShare, Synchronised, adamw_multi_update_, clip_coefficient, master_copy, reduced_norm,
+    scale_,
 )
 from .protocols import GradientSynchroniser, ShardedState, ShardReader
 from .sharding import Placement, ShardSpec, replica_count
@@ -63,12 +64,6 @@ def _decay_runs(bucket: FlatBucket, lo: int, hi: int) -> list[tuple[int, int, bo
         else:
             runs.append((start, end, seg.decays))
     return runs
-
-
-def scale_(tensors: list[torch.Tensor | None], coef: float) -> None:
-    for t in tensors:
-        if t is not None:
-            t.mul_(coef)
 
 
 class FlatSynchroniser(GradientSynchroniser, Protocol):

@@ -236,6 +236,15 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return coef if coef < 1 else 1.0
 
 
+def scale_(tensors: Sequence[torch.Tensor | None], coef: float) -> None:
+    """Multiply each tensor by `coef` in place, one tensor at a time: torch._foreach_mul_
+    rounds a Python scalar to a bf16 tensor's dtype first (a clip coefficient off by up to
+    2**-9), mul_ multiplies in fp32 and rounds the product only."""
+    for t in tensors:
+        if t is not None:
+            t.mul_(coef)
+
+
 def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> float:
     """sqrt of the sum of squared gradients of the full model, each element counted once.
 
@@ -334,7 +343,7 @@ class ReplicatedAdamW(Synchronised):
         norm = global_grad_norm(self.named, self.mesh)
         coef = clip_coefficient(norm, max_norm)
         if coef < 1:
-            torch._foreach_mul_([p.grad for _, p in self.named if p.grad is not None], coef)
+            scale_([p.grad for _, p in self.named], coef)
         return norm
 
     def _with_masters(self) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -46,3 +46,25 @@ def test_data_parallel_step_syncs_as_the_single_process_one(pools):
     config = load_config("tiny", ["layout.dp=2"])
     for sites in pools.run(2, syncs_on_rank, config):
         assert Counter(sites) == EVERY_STEP, sites
+
+
+def _moe_step(layers: int, forwards_per_layer: int, dispatch_site: str) -> Counter:
+    """A MoE step: the split sizes of each MoE layer read once per forward (the dispatch needs
+    them on the host: the all-to-all splits, the experts' group sizes), and every layer's
+    routing statistics read together once."""
+    return EVERY_STEP + Counter({dispatch_site: layers * forwards_per_layer,
+                                 "train.py (moe_statistics) tolist": 1})
+
+
+def test_moe_step_reads_the_split_sizes_once_per_layer():
+    config = validate(load_config("tiny-moe"))
+    syncs = syncs_of_second_step(config, Mesh.single(config.layout))
+    expected = _moe_step(config.model.layers, 1, "moe.py (forward) tolist")  # LocalDispatcher
+    assert syncs.sites == expected, syncs.summary()
+
+
+def test_expert_parallel_step_reads_the_split_sizes_once_per_layer(pools):
+    config = load_config("tiny-moe", ["layout.dp=2", "layout.ep=2"])
+    expected = _moe_step(config.model.layers, 1, "expert_parallel.py (read) tolist")  # DispatchSizes.read
+    for sites in pools.run(2, syncs_on_rank, config):
+        assert Counter(sites) == expected, sites
