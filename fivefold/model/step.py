@@ -63,6 +63,13 @@ def cross_entropy_sum(
     return _ChunkedCrossEntropySum.apply(logits.reshape(-1, vocab), targets.reshape(-1), rows)
 
 
+def whole_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`cross_entropy_sum` as one expression, for torch.compile: inductor fuses the widening
+    into the loss's own kernels, so no fp32 copy is stored, and it cannot trace the chunked
+    backward (an autograd call inside a backward)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
 class _ChunkedCrossEntropySum(torch.autograd.Function):
     """F.cross_entropy(logits.float(), targets, reduction="sum"), chunk by chunk of rows.
 

@@ -57,3 +57,37 @@ def test_bf16_logits_are_widened_one_chunk_at_a_time():
     with LargestFp32Tensor() as largest:
         cross_entropy_sum(logits, targets, chunk_elements=chunk_rows * vocab).backward()
     assert largest.numel == chunk_rows * vocab < tokens * vocab
+
+
+def _vocab_parallel(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int, vocab: int) -> torch.Tensor:
+    from fivefold.parallel.mesh import Mesh
+    from fivefold.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    width = logits.shape[-1]
+    return vocab_parallel_cross_entropy(logits, targets, Mesh.single().tp, vocab, chunk_elements=chunk_rows * width)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_loss_is_the_same_in_any_chunking(dtype):
+    """The vocabulary-parallel head's loss (one rank; tp parity tests hold it against the
+    single-process run): every chunking gives the one-chunk loss and gradient bit for bit,
+    padding columns (here 200 real of 208) included."""
+    logits, targets = _logits(dtype, vocab=208)
+    targets = targets.clamp(max=199)
+    results = []
+    for chunk_rows in (96, 1, 7, 16):
+        x = logits.clone().requires_grad_()
+        loss = _vocab_parallel(x, targets, chunk_rows, vocab=200)
+        loss.backward(torch.tensor(0.37))
+        results.append((loss.item(), x.grad))
+    assert all(r[0] == results[0][0] and torch.equal(r[1], results[0][1]) for r in results)
+    assert results[0][1].dtype == dtype and not results[0][1][..., 200:].any()
+
+
+def test_vocab_parallel_bf16_logits_are_widened_one_chunk_at_a_time():
+    logits, targets = _logits(torch.bfloat16)
+    logits.requires_grad_()
+    tokens, vocab, chunk_rows = 96, 200, 16
+    with LargestFp32Tensor() as largest:
+        _vocab_parallel(logits, targets, chunk_rows, vocab).backward()
+    assert largest.numel == chunk_rows * vocab < tokens * vocab
