@@ -181,14 +181,15 @@ class SquaredNormShare:
     nor tell it apart from rounding below numel x its smallest normal (squares of 1e-25 flush
     to 0). `sums()` counts those out-of-range tensors beside the sum, so the one host read
     the caller makes anyway (clipping needs the norm) says whether `widened()` must take them
-    again in fp64; fp64 holds the square of any fp32 value.
+    again in fp64; fp64 holds the square of any fp32 value. A tensor of zeros counts as out of
+    range too (its fp32 sum cannot tell zeros from flushed squares): a step with one, such as
+    an expert no token reached, takes the second round.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], copies: Sequence[int], device: torch.device | str) -> None:
         self.tensors = [t.reshape(-1) for t in tensors]
-        self.device = device
         self.copies = torch.tensor(list(copies), dtype=torch.float64).to(device)
-        norms = torch._foreach_norm(self.tensors, 2, dtype=torch.float32) if self.tensors else []
+        norms = list(torch._foreach_norm(self.tensors, 2, dtype=torch.float32)) if self.tensors else []
         self.squares = torch.stack(norms).double().square() if norms else self.copies.new_zeros(0)
         numels = torch.tensor([t.numel() for t in self.tensors], dtype=torch.float64).to(device)
         self.in_range = (self.squares >= numels * _FP32.tiny) & (self.squares <= _FP32.max)
@@ -250,9 +251,9 @@ def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> f
 
     A shard replicated on r ranks adds 1/r of its square on each, then one sum over the world.
     """
-    with_grads = [(name, p) for name, p in named if p.grad is not None]
-    grads = [p.grad.detach() for _, p in with_grads]
-    copies = [replica_count(get_placement(p, name), mesh) for name, p in with_grads]
+    with_grads = [(name, p, p.grad) for name, p in named if p.grad is not None]
+    grads = [grad.detach() for _, _, grad in with_grads]
+    copies = [replica_count(get_placement(p, name), mesh) for name, p, _ in with_grads]
     return reduced_norm(SquaredNormShare(grads, copies, mesh.world.device_type), mesh.world)
 
 

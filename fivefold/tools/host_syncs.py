@@ -22,6 +22,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable
 
 import torch
@@ -52,7 +53,7 @@ class HostSyncs:
         self.sites[f"{_caller()} {what}"] += 1
 
     def __enter__(self) -> "HostSyncs":
-        self._modes = [_MethodReads(self), _DispatchedReads(self)]
+        self._modes: list[TorchFunctionMode | TorchDispatchMode] = [_MethodReads(self), _DispatchedReads(self)]
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -68,7 +69,7 @@ class HostSyncs:
 
 def _caller() -> str:
     """file (function) of the innermost frame outside torch and this module."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if name != _THIS_FILE and not name.startswith(_TORCH_ROOT):
