@@ -10,6 +10,7 @@ gradient of the same scalar.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class RoutedTokens:
 
     moe: MoE
     per_expert: torch.Tensor  # (E,) float64: token-slots routed to each expert, whole global batch
-    dropped: float  # token-slots over capacity, whole global batch
+    dropped: torch.Tensor  # () float64: token-slots over capacity, whole global batch
     local: torch.Tensor  # (E,) float64: this rank's own counts (zero on tp ranks but the first)
 
 
@@ -123,7 +124,7 @@ def routed_tokens(model: ParallelModel) -> dict[str, RoutedTokens]:
             local = counts[:-1].clone()
             comm.all_reduce(counts, mesh.dp_cp)
             comm.all_reduce(counts, mesh.tp)
-            routed[f"layer{name}"] = RoutedTokens(moe, counts[:-1], float(counts[-1]), local)
+            routed[f"layer{name}"] = RoutedTokens(moe, counts[:-1], counts[-1], local)
     return routed
 
 
@@ -143,23 +144,40 @@ def balance_routers(model: ParallelModel, routed: dict[str, RoutedTokens]) -> No
 
 def moe_statistics(routed: dict[str, RoutedTokens], mesh: Mesh) -> dict[str, Any]:
     """Tokens per expert, imbalance (max / mean) and dropped fraction per MoE layer, this step;
-    with expert parallelism also the tokens every ep rank sent to every other."""
+    with expert parallelism also the tokens every ep rank sent to every other.
+
+    Every layer's numbers reach the host in one read (one sync per step, not a few per layer)."""
+    if not routed:
+        return {}
+    ep = mesh.ep.size
+    parts = [torch.cat([layer.per_expert, layer.dropped.reshape(1)]) for layer in routed.values()]
+    if ep > 1:
+        parts += [_ep_token_matrix(layer.local, mesh).reshape(-1) for layer in routed.values()]
+    host = _split_list(torch.cat(parts).tolist(), [p.numel() for p in parts])  # the one read
     stats: dict[str, Any] = {}
-    for name, layer in routed.items():
-        per_expert = layer.per_expert
-        total = float(per_expert.sum())
+    for i, name in enumerate(routed):
+        *per_expert, dropped = host[i]
+        total = sum(per_expert)
         stats[name] = {
-            "tokens_per_expert": [int(c) for c in per_expert.tolist()],
-            "imbalance": float(per_expert.max() / per_expert.mean()) if total else 0.0,
-            "dropped_fraction": layer.dropped / total if total else 0.0,
+            "tokens_per_expert": [int(c) for c in per_expert],
+            "imbalance": max(per_expert) / (total / len(per_expert)) if total else 0.0,
+            "dropped_fraction": dropped / total if total else 0.0,
         }
-        if mesh.ep.size > 1:
-            stats[name]["all_to_all_tokens"] = _ep_token_matrix(layer.local, mesh)
+        if ep > 1:
+            matrix = host[len(routed) + i]
+            stats[name]["all_to_all_tokens"] = [[int(v) for v in matrix[r * ep : (r + 1) * ep]] for r in range(ep)]
     return stats
 
 
-def _ep_token_matrix(local: torch.Tensor, mesh: Mesh) -> list[list[int]]:
-    """(ep, ep) token-slots ep rank i routed to the experts ep rank j holds, over all ep groups.
+def _split_list(values: list[float], sizes: list[int]) -> list[list[float]]:
+    """`values` cut into consecutive pieces of `sizes`."""
+    ends = list(itertools.accumulate(sizes))
+    return [values[end - size : end] for size, end in zip(sizes, ends)]
+
+
+def _ep_token_matrix(local: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """(ep, ep) float64 on the device: token-slots ep rank i routed to the experts ep rank j
+    holds, over all ep groups.
 
     `local` (E,) is this rank's routing count per global expert; ep rank j holds the j-th
     contiguous block of E / ep experts. Dropped slots are included (they were routed).
@@ -168,7 +186,7 @@ def _ep_token_matrix(local: torch.Tensor, mesh: Mesh) -> list[list[int]]:
     comm.all_reduce(rows, mesh.edp)
     comm.all_reduce(rows, mesh.tp)
     ep = mesh.ep.size
-    return [[int(v) for v in row] for row in rows.reshape(ep, ep, -1).sum(-1).tolist()]
+    return rows.reshape(ep, ep, -1).sum(-1)
 
 
 def _wire_since(before: dict[tuple[str, str], int], mesh: Mesh) -> dict[str, int]:

@@ -44,6 +44,7 @@ LAYERS: tuple[str, ...] = (
 TOOLS: tuple[str, ...] = (
     "fivefold.tools",
     "fivefold.tools.testing",
+    "fivefold.tools.host_syncs",
     "fivefold.tools.saved_activations",
     "fivefold.tools.plan_render",
     "fivefold.tools.plan_compare",

@@ -146,13 +146,14 @@ class Sampler:
             )
 
     def _window_ids(self, first: int, count: int) -> list[int]:
-        ids, cache = [], {}
-        for i in range(first, first + count):
+        ids: list[int] = []
+        i, end = first, first + count
+        while i < end:  # one read per epoch the rows span, not one per row
             epoch, pos = divmod(i, self.windows)
-            if epoch not in cache:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                cache[epoch] = torch.randperm(self.windows, generator=g)
-            ids.append(int(cache[epoch][pos]))
+            take = min(self.windows - pos, end - i)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            ids += torch.randperm(self.windows, generator=g)[pos : pos + take].tolist()
+            i += take
         return ids
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

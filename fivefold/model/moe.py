@@ -274,7 +274,8 @@ class MoE(nn.Module):
         """Sum over this micro-batch's sequences of the weighted per-sequence auxiliary losses."""
         E, k = self.num_experts, self.top_k
         B, T = logits.shape[0], logits.shape[1]
-        counts = F.one_hot(ids, E).sum(dim=(1, 2)).float()  # (B, E) assignments per sequence
+        # (B, E) assignments per sequence; a scatter, not one_hot, which reads min and max to the host on CPU
+        counts = logits.new_zeros(B, E).scatter_add_(1, ids.reshape(B, -1), logits.new_ones(B, T * k))
         stats = torch.cat(
             [
                 counts,
@@ -293,9 +294,17 @@ class MoE(nn.Module):
         z = z_sum / tokens  # (B,)
         return (self.aux_loss_coef * balance + self.z_loss_coef * z).sum()
 
-    def _keep_mask(self, ids: torch.Tensor, tokens_per_sequence: int) -> torch.Tensor:
+    def _tokens_per_sequence(self, T: int, device: torch.device) -> int:
+        """Tokens of each whole sequence: T, or summed over the ranks holding its other parts
+        (a host read, so only capacity, which needs it on the host, asks)."""
+        if self.token_stats_reduce is None:
+            return T
+        return int(self._reduce(torch.full((1, 1), float(T), device=device)).item())
+
+    def _keep_mask(self, ids: torch.Tensor) -> torch.Tensor:
         if self.dropless:
             return torch.ones_like(ids, dtype=torch.bool)
+        tokens_per_sequence = self._tokens_per_sequence(ids.shape[1], ids.device)
         capacity = math.ceil(self.capacity_factor * tokens_per_sequence * self.top_k / self.num_experts)
         offsets = self.capacity_offsets(ids) if self.capacity_offsets is not None else None
         return capacity_keep(ids, self.num_experts, capacity, offsets)
@@ -304,10 +313,7 @@ class MoE(nn.Module):
         """x (B, T, h) -> (y (B, T, h), summed auxiliary loss of this micro-batch's sequences)."""
         B, T, h = x.shape
         logits, probs, ids, weights = self.router(x)
-        tokens_per_sequence = T if self.token_stats_reduce is None else int(
-            self._reduce(torch.full((1, 1), float(T), device=x.device)).item()
-        )
-        keep = self._keep_mask(ids, tokens_per_sequence)
+        keep = self._keep_mask(ids)
         order, counts = sort_slots_by_expert(ids.reshape(-1), keep.reshape(-1), self.num_experts)
         tokens = order // self.top_k
         rows = self.dispatcher(x.reshape(B * T, h).index_select(0, tokens), counts, self.experts)

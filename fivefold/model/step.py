@@ -45,9 +45,62 @@ def whole_sequence(inputs: torch.Tensor, targets: torch.Tensor, documents: torch
     return MicroBatch(inputs, targets, positions_in_documents(documents), documents, indices)
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of token losses: the caller divides by the tokens of the global batch."""
+# fp32 elements of logits a loss chunk widens at once (16 MiB): the full (tokens, vocab) fp32
+# copy is 4 GiB at 8k tokens and a 128k vocabulary.
+LOSS_CHUNK_ELEMENTS = 1 << 22
+
+
+def cross_entropy_sum(
+    logits: torch.Tensor, targets: torch.Tensor, chunk_elements: int = LOSS_CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """Sum (not mean) of token losses: the caller divides by the tokens of the global batch.
+
+    Computed over chunks of tokens, so the fp32 logits, their log-probabilities and their
+    gradient exist for one chunk at a time, never for the whole (tokens, vocab) tensor.
+    """
+    vocab = logits.shape[-1]
+    rows = max(1, chunk_elements // vocab)
+    return _ChunkedCrossEntropySum.apply(logits.reshape(-1, vocab), targets.reshape(-1), rows)
+
+
+def whole_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`cross_entropy_sum` as one expression, for torch.compile: inductor fuses the widening
+    into the loss's own kernels, so no fp32 copy is stored, and it cannot trace the chunked
+    backward (an autograd call inside a backward)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    """F.cross_entropy(logits.float(), targets, reduction="sum"), chunk by chunk of rows.
+
+    Bit for bit the same loss and gradient as the unchunked expression: every row's
+    log-softmax and gradient are computed by the same ops, and the token losses are summed by
+    the same kernel (nll_loss's sum) in the same order. Saves the logits in their own dtype
+    (bf16 under autocast) and recomputes each chunk's softmax in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+        losses = torch.cat([
+            F.cross_entropy(chunk.float(), t, reduction="none")  # (rows,) fp32
+            for chunk, t in zip(logits.split(rows), targets.split(rows))
+        ])
+        ctx.save_for_backward(logits, targets)
+        ctx.rows = rows
+        # nll_loss sums -input[i, target[i]]: with input = -losses and target 0 that is the
+        # cross-entropy's own sum, in its order
+        return F.nll_loss(-losses[:, None], torch.zeros_like(targets), reduction="sum")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, targets = ctx.saved_tensors
+        out = torch.empty_like(logits)  # (N, V) in the logits' dtype, as autograd's would be
+        for chunk, t, dest in zip(logits.split(ctx.rows), targets.split(ctx.rows), out.split(ctx.rows)):
+            with torch.enable_grad():
+                x = chunk.detach().requires_grad_()
+                loss = F.cross_entropy(x.float(), t, reduction="sum")
+            dest.copy_(torch.autograd.grad(loss, x, grad)[0])
+        return out, None, None
 
 
 def autocast_for(config: Config, device: torch.device) -> contextlib.AbstractContextManager:

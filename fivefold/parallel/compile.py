@@ -32,7 +32,7 @@ import torch
 from ..model import Transformer
 from ..model.llama import Block
 from ..model.moe import MoE
-from ..model.step import cross_entropy_sum
+from ..model.step import cross_entropy_sum, whole_cross_entropy_sum
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -46,7 +46,8 @@ def compile_blocks(chunk: Transformer) -> None:
 
 def compile_model_end(chunks: list[Transformer], loss_fn: LossFn) -> LossFn:
     """Compile the final norm + head of the chunk that holds them, and return the loss compiled,
-    where neither communicates: with the plain cross entropy. Tensor parallelism's head and
+    where neither communicates: with the plain cross entropy (compiled whole: see
+    `whole_cross_entropy_sum`). Tensor parallelism's head and
     vocabulary-parallel loss collect across ranks; they stay eager (a compiled region would
     break at every collective, adding graphs to compile for element-wise work on (B, T, V/tp))."""
     if loss_fn is not cross_entropy_sum:
@@ -54,7 +55,7 @@ def compile_model_end(chunks: list[Transformer], loss_fn: LossFn) -> LossFn:
     for chunk in chunks:
         if chunk.has_head:
             setattr(chunk, "final", torch.compile(chunk.final))
-    return torch.compile(loss_fn)
+    return torch.compile(whole_cross_entropy_sum)
 
 
 def compile_block(block: Block) -> None:

@@ -35,6 +35,7 @@ The dispatcher also works with ep = 1, so the same code path serves TP-only MoE 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -51,9 +52,31 @@ from .sharding import Placement, Split, get_placement, set_placement
 # ----------------------------------------------------------------------------- pure index functions
 
 
-def rank_splits(counts: torch.Tensor, ep: int) -> list[int]:
-    """Rows sent to each ep rank, from the slots per global expert counts (E,)."""
-    return counts.view(ep, -1).sum(dim=1).tolist()
+def rank_splits(counts: list[int], ep: int) -> list[int]:
+    """Rows sent to each ep rank, from the slots per global expert counts (E,), read to the host."""
+    local = len(counts) // ep
+    return [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
+
+
+@dataclass(frozen=True)
+class DispatchSizes:
+    """The data-dependent sizes of one dispatch on the host, from a single read of the device.
+
+    The all-to-all splits and the experts' group sizes depend on the routing, so the host
+    must know them; reading them together costs one sync per MoE layer per forward instead
+    of one per size.
+    """
+
+    send: list[int]  # rows to each ep rank
+    recv: list[int]  # rows from each ep rank
+    received: list[list[int]]  # (ep, E_local) rows from each source for each local expert
+
+    @classmethod
+    def read(cls, counts: torch.Tensor, recv_counts: torch.Tensor) -> "DispatchSizes":
+        """counts (E,) this rank sends per global expert, recv_counts (ep, E_local) it receives."""
+        sent, received = torch.stack([counts.view_as(recv_counts), recv_counts]).tolist()  # the one read
+        ep = len(sent)
+        return cls(rank_splits(sum(sent, []), ep), rank_splits(sum(received, []), ep), received)
 
 
 def dispatch_order(
@@ -67,18 +90,21 @@ def dispatch_order(
     return sort_slots_by_expert(expert_ids, keep, num_experts)
 
 
-def regroup_by_local_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+def regroup_by_local_expert(recv_counts: torch.Tensor, received: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
     """Permutation that turns received rows from (source rank, local expert) order into
     (local expert, source rank) order, and the rows per local expert.
 
-    recv_counts (ep, E_local): rows from each source for each local expert. Stable, so the
+    recv_counts (ep, E_local): rows from each source for each local expert, on the device;
+    `received`: the same counts on the host (the sizes need no second read). Stable, so the
     rows of one (expert, source) pair keep the order their source sent them in.
     """
     ep, local = recv_counts.shape
+    total = sum(map(sum, received))
     expert_of_row = torch.arange(local, device=recv_counts.device).repeat(ep)  # (ep * E_local,)
-    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1))  # (R,)
+    # output_size: the length is known on the host, so CUDA need not read it back
+    expert_of_row = torch.repeat_interleave(expert_of_row, recv_counts.reshape(-1), output_size=total)  # (R,)
     order = torch.argsort(expert_of_row, stable=True)
-    return order, recv_counts.sum(dim=0).tolist()
+    return order, [sum(column) for column in zip(*received)]
 
 
 def unpermute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -107,15 +133,16 @@ class ExpertParallelDispatcher(nn.Module):
         self.counting = True  # False while a recomputed forward dispatches again (model.moe.routing_uncounted)
 
     def reset_counters(self) -> None:
-        self.sent_counts = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.sent_counts = torch.zeros_like(self.sent_counts)
         self.calls = 0
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """rows (S_kept, h) of the kept slots, grouped by global expert, counts (E,) rows each.
         Returns the experts' outputs for those rows, in the same order."""
         if self.counting:
-            with torch.no_grad():
-                self.sent_counts += counts.cpu()
+            with torch.no_grad():  # summed on the device: read when the statistics are
+                self.sent_counts = self.sent_counts.to(counts.device)
+                self.sent_counts += counts
                 self.calls += 1
         return self._exchange_and_compute(rows, counts, experts)
 
@@ -124,14 +151,13 @@ class ExpertParallelDispatcher(nn.Module):
         ep = self.ep.size
         local = self.num_experts // ep
         recv_counts = comm.all_to_all(counts.contiguous(), self.ep).view(ep, local)  # (source, local expert)
-        send_splits = rank_splits(counts, ep)
-        recv_splits = recv_counts.sum(dim=1).tolist()
-        received = comm.all_to_all_autograd(rows, self.ep, send_splits, recv_splits)  # (R, h)
-        order, expert_counts = regroup_by_local_expert(recv_counts)
+        sizes = DispatchSizes.read(counts, recv_counts)
+        received = comm.all_to_all_autograd(rows, self.ep, sizes.send, sizes.recv)  # (R, h)
+        order, expert_counts = regroup_by_local_expert(recv_counts, sizes.received)
         grouped = received.index_select(0, order)
         out = experts(grouped, expert_counts)  # (R, h), partial over the ffn shards when tp-split
         out = unpermute(out, order)  # back to (source, expert) order
-        return comm.all_to_all_autograd(out, self.ep, recv_splits, send_splits)
+        return comm.all_to_all_autograd(out, self.ep, sizes.recv, sizes.send)
 
 
 # ----------------------------------------------------------------------------- applying it
@@ -180,7 +206,7 @@ def moe_dispatchers(chunks: Sequence[Transformer]) -> dict[str, ExpertParallelDi
 
 
 __all__ = [
-    "ExpertParallelDispatcher", "apply_expert_parallel",
+    "DispatchSizes", "ExpertParallelDispatcher", "apply_expert_parallel",
     "dispatch_order", "moe_dispatchers", "rank_splits",
     "regroup_by_local_expert", "unpermute",
 ]

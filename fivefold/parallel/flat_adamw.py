@@ -22,7 +22,10 @@ import torch
 from . import comm
 from .buckets import FlatBucket, Segment
 from .mesh import Mesh
-from .optim import AdamWSettings, Synchronised, adamw_multi_update_, master_copy, widened_if_fp32_failed
+from .optim import (
+    AdamWSettings, SquaredNormShare, Synchronised, adamw_multi_update_, clip_coefficient, master_copy, reduced_norm,
+    scale_,
+)
 from .protocols import GradientSynchroniser, ShardedState, ShardReader
 from .sharding import Placement, ShardSpec, replica_count
 
@@ -61,20 +64,6 @@ def _decay_runs(bucket: FlatBucket, lo: int, hi: int) -> list[tuple[int, int, bo
         else:
             runs.append((start, end, seg.decays))
     return runs
-
-
-def scale_(tensors: list[torch.Tensor | None], coef: float) -> None:
-    for t in tensors:
-        if t is not None:
-            t.mul_(coef)
-
-
-def clip_coefficient(norm: float, max_norm: float) -> float:
-    """The factor clipping applies (1.0 when it does not), as every optimizer computes it."""
-    if max_norm <= 0:
-        return 1.0
-    coef = max_norm / (norm + 1e-6)
-    return coef if coef < 1 else 1.0
 
 
 class FlatSynchroniser(GradientSynchroniser, Protocol):
@@ -124,11 +113,11 @@ class FlatAdamW(Synchronised):
     def clip_grad_norm(self, max_norm: float) -> float:
         grads = self.sync.reduced_grads()
         if self._holds_every_gradient:  # the norm is local: no collective, no wait for the other ranks
-            total = squared_grad_sum(self.buckets, grads, self.ranges, self.mesh, sharded=False, divide=False)
+            share = squared_grad_sum(self.buckets, grads, self.ranges, self.mesh, sharded=False, divide=False)
+            norm = reduced_norm(share, None)
         else:
-            total = squared_grad_sum(self.buckets, grads, self.ranges, self.mesh, sharded=self.sync.sharded)
-            comm.all_reduce(total, self.mesh.world)
-        norm = float(total.sqrt())
+            share = squared_grad_sum(self.buckets, grads, self.ranges, self.mesh, sharded=self.sync.sharded)
+            norm = reduced_norm(share, self.mesh.world)
         coef = clip_coefficient(norm, max_norm)
         if coef < 1:
             scale_(grads, coef)
@@ -190,7 +179,7 @@ def squared_grad_sum(
     mesh: Mesh,
     sharded: bool,
     divide: bool = True,
-) -> torch.Tensor:
+) -> SquaredNormShare:
     """This rank's share of the squared gradient norm of the full model, each element counted once.
 
     `grads[i]` holds elements ranges[i] of bucket i. Replicated (not sharded) gradients are
@@ -198,20 +187,19 @@ def squared_grad_sum(
     shard is owned by one rank of the bucket's axis and may still be replicated over other
     axes (e.g. tp for a norm weight). Dividing by the number of copies makes one sum over
     the world count every element once. Runs of parameters with the same number of copies
-    are reduced by one fp32 norm (a double copy of every gradient costs more than the
-    whole reduction); the partial sums are then added in float64. With `divide=False` each
-    element counts once here (`holds_every_gradient`: the sum is the whole norm, not a share).
+    are views of the flat gradient, normed together by one fused fp32 kernel and added in
+    float64 on the device (see SquaredNormShare). With `divide=False` each element counts
+    once here (`holds_every_gradient`: the sum is the whole norm, not a share).
     """
-    total = torch.zeros((), dtype=torch.float64, device=mesh.world.device_type)  # summed over the world next
+    runs: list[torch.Tensor] = []
+    copies: list[int] = []
     for bucket, grad, (lo, hi) in zip(buckets, grads, ranges):
         if grad is None:
             continue
-        for start, end, copies in _copy_runs(bucket, lo, hi, mesh, sharded):
-            run = grad[start - lo : end - lo]
-            norm = torch.linalg.vector_norm(run, dtype=torch.float32).item()
-            squares = widened_if_fp32_failed(norm * norm, run)
-            total += squares / copies if divide else squares
-    return total
+        for start, end, count in _copy_runs(bucket, lo, hi, mesh, sharded):
+            runs.append(grad[start - lo : end - lo])
+            copies.append(count if divide else 1)
+    return SquaredNormShare(runs, copies, mesh.world.device_type)
 
 
 def _copy_runs(bucket: FlatBucket, lo: int, hi: int, mesh: Mesh, sharded: bool) -> list[tuple[int, int, int]]:

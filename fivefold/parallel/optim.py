@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainConfig
-from .mesh import Mesh
+from .mesh import Axis, Mesh
 from ..rules.precision import PrecisionPolicy
 from . import comm
 from .protocols import GradFinalizer, GradientSynchroniser, ShardedState, ShardReader
@@ -168,57 +168,93 @@ def _unpack_tails(tails: list[tuple[torch.Tensor, ...]], scratch: torch.Tensor) 
 _FP32 = torch.finfo(torch.float32)
 
 
-def squared_sum(grad: torch.Tensor) -> float:
-    """The sum of squares of one gradient's elements, as a Python float (fp64).
+class SquaredNormShare:
+    """This rank's share of the squared gradient norm, computed on the device without a host sync.
 
-    One fp32 dot product of the flattened gradient with itself: a single BLAS call that
-    neither allocates nor makes a pass per element-wise op. An fp64 copy squared and summed
-    (three passes over twice the bytes) cost several times more, and a multi-threaded
-    element-wise pass stalls whenever another process holds one of the cores. The BLAS
-    kernel accumulates in several fp32 lanes; on the model's gradients it is within ~2e-7
-    of the exact fp64 sum, closer than the fp32 norms the flat-buffer optimizers take.
-    bf16 gradients are widened first, so no product rounds to bf16. Where fp32 cannot hold
-    the sum, see `widened_if_fp32_failed`. The caller adds the sums of many gradients: as
-    Python floats that costs no tensor operation per gradient (the result is read once,
-    which the range check needs anyway).
+    `tensors[i]` counts 1/copies[i] of its sum of squares, so that one sum over the world
+    counts every element once. One fused multi-tensor kernel (torch._foreach_norm) takes every
+    tensor's fp32 norm: a single pass over the gradients, no fp64 copy (twenty times slower
+    on CPU), on the model's gradients within ~1e-7 of the exact fp64 sum. Each norm is
+    squared and added in float64 on the device.
+
+    fp32 cannot hold a sum of squares above its largest value (elements from about 1e19)
+    nor tell it apart from rounding below numel x its smallest normal (squares of 1e-25 flush
+    to 0). `sums()` counts those out-of-range tensors beside the sum, so the one host read
+    the caller makes anyway (clipping needs the norm) says whether `widened()` must take them
+    again in fp64; fp64 holds the square of any fp32 value. A tensor of zeros counts as out of
+    range too (its fp32 sum cannot tell zeros from flushed squares): a step with one, such as
+    an expert no token reached, takes the second round.
     """
-    flat = grad.reshape(-1)
-    if flat.dtype in (torch.bfloat16, torch.float16):
-        flat = flat.float()
-    return widened_if_fp32_failed(torch.dot(flat, flat).item(), flat)
+
+    def __init__(self, tensors: Sequence[torch.Tensor], copies: Sequence[int], device: torch.device | str) -> None:
+        self.tensors = [t.reshape(-1) for t in tensors]
+        self.copies = torch.tensor(list(copies), dtype=torch.float64).to(device)
+        norms = list(torch._foreach_norm(self.tensors, 2, dtype=torch.float32)) if self.tensors else []
+        self.squares = torch.stack(norms).double().square() if norms else self.copies.new_zeros(0)
+        numels = torch.tensor([t.numel() for t in self.tensors], dtype=torch.float64).to(device)
+        self.in_range = (self.squares >= numels * _FP32.tiny) & (self.squares <= _FP32.max)
+
+    def sums(self) -> torch.Tensor:
+        """(2,) float64 on the device: the share of the squared norm, and how many tensors'
+        fp32 sums fell outside fp32's range (their squares are left out of the share)."""
+        share = torch.where(self.in_range, self.squares / self.copies, 0.0).sum()
+        return torch.stack([share, (~self.in_range).sum().double()])
+
+    def widened(self) -> torch.Tensor:
+        """`sums()` with the out-of-range tensors taken again in fp64 (a host read of which)."""
+        out = [t for t, ok in zip(self.tensors, self.in_range.tolist()) if not ok]
+        squares = torch.where(self.in_range, self.squares, 0.0)
+        if out:
+            wide = torch.stack(torch._foreach_norm(out, 2, dtype=torch.float64)).square()
+            squares = squares.masked_scatter(~self.in_range, wide)
+        return torch.stack([(squares / self.copies).sum(), squares.new_zeros(())])
 
 
-def widened_if_fp32_failed(fp32_squares: float, flat: torch.Tensor) -> float:
-    """`fp32_squares` (the fp32 sum of the squares of `flat`), or the sum taken again in fp64
-    where fp32 could not hold it. fp64 holds the square of any fp32 value, so the result is
-    inf or nan only when `flat` holds one. fp32 fails:
-    - above its largest value: the sum has overflowed to inf (elements from about 1e19 on);
-    - below numel * its smallest normal: squares under the smallest normal (each rounded to
-      a multiple of 2**-149) could be more than ~1e-7 of the sum, or all of it (the squares
-      of 1e-25 flush to 0).
-    Inside those bounds it costs one comparison: no pass over the gradient.
+def reduced_norm(share: SquaredNormShare, axis: Axis | None) -> float:
+    """sqrt of the share summed over `axis` (None: the share is the whole norm), read once.
+
+    One collective of two numbers and one host read (clipping and the step's report need the
+    norm on the host). Every rank sees the same out-of-range count after the sum, so all of
+    them, or none, take the widened second round.
     """
-    if flat.numel() * _FP32.tiny <= fp32_squares <= _FP32.max:
-        return fp32_squares
-    wide = flat.double()
-    return torch.dot(wide, wide).item()
+    sums = share.sums()
+    if axis is not None and axis.size > 1:
+        comm.all_reduce(sums, axis)
+    squares, out_of_range = sums.tolist()
+    if out_of_range:
+        sums = share.widened()
+        if axis is not None and axis.size > 1:
+            comm.all_reduce(sums, axis)
+        squares = sums[0].item()
+    return math.sqrt(squares)
 
 
-def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor clipping applies (1.0 when it does not), as every optimizer computes it."""
+    if max_norm <= 0:
+        return 1.0
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1 else 1.0
+
+
+def scale_(tensors: Sequence[torch.Tensor | None], coef: float) -> None:
+    """Multiply each tensor by `coef` in place, one tensor at a time: torch._foreach_mul_
+    rounds a Python scalar to a bf16 tensor's dtype first (a clip coefficient off by up to
+    2**-9), mul_ multiplies in fp32 and rounds the product only."""
+    for t in tensors:
+        if t is not None:
+            t.mul_(coef)
+
+
+def global_grad_norm(named: Sequence[tuple[str, torch.Tensor]], mesh: Mesh) -> float:
     """sqrt of the sum of squared gradients of the full model, each element counted once.
 
     A shard replicated on r ranks adds 1/r of its square on each, then one sum over the world.
     """
-    local = 0.0
-    for name, param in named:
-        if param.grad is None:
-            continue
-        r = replica_count(get_placement(param, name), mesh)
-        local += squared_sum(param.grad.detach()) / r
-    total = torch.tensor(local, dtype=torch.float64, device=mesh.world.device_type)
-    if mesh.world.size > 1:
-        comm.all_reduce(total, mesh.world)
-    return total.sqrt()
+    with_grads = [(name, p, p.grad) for name, p in named if p.grad is not None]
+    grads = [grad.detach() for _, _, grad in with_grads]
+    copies = [replica_count(get_placement(p, name), mesh) for name, p, _ in with_grads]
+    return reduced_norm(SquaredNormShare(grads, copies, mesh.world.device_type), mesh.world)
 
 
 class LocalGradients:
@@ -306,13 +342,10 @@ class ReplicatedAdamW(Synchronised):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = global_grad_norm(self.named, self.mesh)
-        if max_norm > 0:
-            coef = max_norm / (float(norm) + 1e-6)
-            if coef < 1:
-                for _, p in self.named:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        return float(norm)
+        coef = clip_coefficient(norm, max_norm)
+        if coef < 1:
+            scale_([p.grad for _, p in self.named], coef)
+        return norm
 
     def _with_masters(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         return [(p, self.masters[id(p)]) for _, p in self.named]

@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from ..config import Config, ModelConfig
 from .mesh import Axis, Mesh
 from ..model import MoE, Transformer
+from ..model.step import LOSS_CHUNK_ELEMENTS
 from ..rules.volumes import padded_vocab
 from . import comm
 from .deferred import PendingWeightGrad, deferred_linear, weight_grad
@@ -287,46 +288,69 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Sum of token cross-entropies from vocab-sharded logits; the full logits never exist.
 
-    logits (N, V/tp) fp32, targets (N,). The max and the sum of exponentials are reduced over
-    tp (one all-reduce of the max, one of [sum exp, target logit]); padding columns (global
-    index >= vocab_size) are set to -inf, so they get zero probability and zero gradient.
+    logits (N, V/tp) in their own dtype, targets (N,). The max and the sum of exponentials
+    are reduced over tp (one all-reduce of the max, one of [sum exp, target logit]); padding
+    columns (global index >= vocab_size) are set to -inf, so they get zero probability and
+    zero gradient. The logits are widened to fp32 a chunk of `rows` rows at a time, in the
+    forward and again in the backward (which recomputes the chunk's softmax from the saved
+    row max and sum), so neither the fp32 slice nor its softmax exists whole.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, axis: Axis, vocab_start: int, vocab_size: int):
+    def forward(ctx, logits, targets, axis: Axis, vocab_start: int, vocab_size: int, rows: int):
         width = logits.shape[-1]
-        if vocab_start + width > vocab_size:  # this rank holds padding columns
-            columns = torch.arange(vocab_start, vocab_start + width, device=logits.device)
-            logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
-        row_max = logits.max(dim=-1).values  # (N,)
-        comm.all_reduce(row_max, axis, op="max")
-        shifted = logits - row_max.unsqueeze(-1)  # (N, V/tp)
         local_target = targets - vocab_start
         mine = (local_target >= 0) & (local_target < width)
         local_target = local_target.masked_fill(~mine, 0)
-        target_logit = shifted.gather(1, local_target.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
-        exp = shifted.exp_()  # in place: the shifted logits are not needed any more
-        sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N)
+        widen = partial(_widened_chunk, vocab_start=vocab_start, vocab_size=vocab_size)
+        row_max = torch.cat([widen(chunk).max(dim=-1).values for chunk in logits.split(rows)])  # (N,)
+        comm.all_reduce(row_max, axis, op="max")
+        parts = []
+        for chunk, top, target in zip(logits.split(rows), row_max.split(rows), local_target.split(rows)):
+            shifted = widen(chunk) - top.unsqueeze(-1)  # (rows, V/tp) fp32
+            parts.append(torch.stack([shifted.exp().sum(dim=-1), shifted.gather(1, target.unsqueeze(1)).squeeze(1)]))
+        sums = torch.cat(parts, dim=1)  # (2, N)
+        sums[1].masked_fill_(~mine, 0.0)
         comm.all_reduce(sums, axis)
         losses = sums[0].log() - sums[1]  # (N,)
-        exp.div_(sums[0].unsqueeze(-1))  # the local slice of the softmax
-        ctx.save_for_backward(exp, local_target, mine)
+        ctx.save_for_backward(logits, local_target, mine, row_max, sums[0])
+        ctx.widen, ctx.rows = widen, rows
         return losses.sum()
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local_target, mine = ctx.saved_tensors
-        g = softmax * grad  # d loss / d logits = (softmax - one_hot(target)) * grad
-        rows = torch.arange(g.shape[0], device=g.device)
-        g[rows, local_target] -= mine.to(g.dtype) * grad
-        return g, None, None, None, None
+        logits, local_target, mine, row_max, exp_sum = ctx.saved_tensors
+        out = torch.empty_like(logits)  # in the logits' dtype, as autograd's cast would give
+        chunks = zip(logits.split(ctx.rows), local_target.split(ctx.rows), mine.split(ctx.rows),
+                     row_max.split(ctx.rows), exp_sum.split(ctx.rows), out.split(ctx.rows))
+        for chunk, target, own, top, total, dest in chunks:
+            softmax = (ctx.widen(chunk) - top.unsqueeze(-1)).exp_().div_(total.unsqueeze(-1))
+            g = softmax * grad  # d loss / d logits = (softmax - one_hot(target)) * grad
+            rows = torch.arange(g.shape[0], device=g.device)
+            g[rows, target] -= own.to(g.dtype) * grad
+            dest.copy_(g)
+        return out, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, axis: Axis, vocab_size: int) -> torch.Tensor:
+def _widened_chunk(chunk: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """A chunk of this rank's logits in fp32, its padding columns (if any) -inf."""
+    chunk = chunk.float()
+    width = chunk.shape[-1]
+    if vocab_start + width <= vocab_size:
+        return chunk
+    columns = torch.arange(vocab_start, vocab_start + width, device=chunk.device)
+    return chunk.masked_fill(columns >= vocab_size, float("-inf"))
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, axis: Axis, vocab_size: int,
+    chunk_elements: int = LOSS_CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """SUM of token losses; logits (..., V_padded/tp) are this rank's vocabulary slice."""
     width = logits.shape[-1]
-    flat = logits.float().reshape(-1, width)
-    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), axis, axis.rank * width, vocab_size)
+    flat = logits.reshape(-1, width)
+    rows = max(1, chunk_elements // width)
+    return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), axis, axis.rank * width, vocab_size, rows)
 
 
 def vocab_parallel_loss(mesh: Mesh, config: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -293,10 +293,11 @@ def cp_moe_layer_calls(cp: int, segments: int, batch: int, num_experts: int, top
     """One MoE layer, one micro-batch, on a cp rank of ``batch`` sequences cut into
     ``segments`` segments over the cp ranks (`fivefold.rules.layout.sequence_segments`).
 
-    The auxiliary loss's per-sequence statistics, (batch, 2E + 2) fp32 values, and the
-    tokens per sequence (one fp32 value) are summed over the ranks holding the sequence;
-    without dropless routing each rank also gathers every segment's slot counts per
-    sequence, choice rank and expert (int64) to give the slots their capacity priority.
+    The auxiliary loss's per-sequence statistics, (batch, 2E + 2) fp32 values, are summed
+    over the ranks holding the sequence; without dropless routing each rank also sums the
+    tokens per sequence (one fp32 value, the capacity's base) and gathers every segment's
+    slot counts per sequence, choice rank and expert (int64) to give the slots their
+    capacity priority.
     Each forward pass of the layer does all of it (the loss after the combine saves tensors,
     so recomputation runs through it); the backward sends nothing (the statistics' gradient
     is the identity, the counts have none).
@@ -304,9 +305,9 @@ def cp_moe_layer_calls(cp: int, segments: int, batch: int, num_experts: int, top
     if cp == 1:
         return []
     f = forward_passes(recompute)
-    out = [Call("all_reduce", 4, f, "fwd", "MoE tokens per sequence"),
-           Call("all_reduce", batch * (2 * num_experts + 2) * 4, f, "fwd", "MoE per-sequence statistics")]
+    out = [Call("all_reduce", batch * (2 * num_experts + 2) * 4, f, "fwd", "MoE per-sequence statistics")]
     if not dropless:
+        out.append(Call("all_reduce", 4, f, "fwd", "MoE tokens per sequence"))
         out.append(Call("all_gather", segments * batch * top_k * num_experts * 8, f, "fwd", "MoE slot counts"))
     return out
 

@@ -50,13 +50,13 @@ def test_block_computation_compiles_to_one_graph():
 
 def test_final_norm_head_and_loss_compile_to_one_graph_each():
     from fivefold.model.llama import build_model
-    from fivefold.model.step import cross_entropy_sum
+    from fivefold.model.step import whole_cross_entropy_sum  # what compile_model_end compiles
 
     config = load_config("tiny", [])
     model = build_model(config.model, seed=0)
     x = torch.randn(2, 8, config.model.hidden)
     targets = torch.randint(0, config.model.vocab_size, (2, 8))
-    for region, args in ((model.final, (x,)), (cross_entropy_sum, (model.final(x), targets))):
+    for region, args in ((model.final, (x,)), (whole_cross_entropy_sum, (model.final(x), targets))):
         explanation = torch._dynamo.explain(region)(*args)
         assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
 

@@ -1,7 +1,7 @@
 """The gradient norm holds over fp32's whole range, as the exact fp64 sum of squares does.
 
-Both norm kernels sum squares in fp32 for speed (a dot product per tensor, a vector norm
-per flat run); squares of elements above ~1e19 overflow that sum to inf and squares below
+Both optimizers take every tensor's (or flat run's) norm in fp32 with one fused kernel for
+speed (SquaredNormShare); squares of elements above ~1e19 overflow that sum to inf and squares below
 ~1e-19 fall under fp32's smallest normal. The norm must then still be the exact one.
 """
 
@@ -15,7 +15,7 @@ import torch
 from fivefold.config import load_config
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.data_parallel import DataParallelAdamW
-from fivefold.parallel.optim import AdamWSettings, ReplicatedAdamW, squared_sum
+from fivefold.parallel.optim import AdamWSettings, ReplicatedAdamW, SquaredNormShare, reduced_norm
 
 SETTINGS = AdamWSettings(0.9, 0.95, 1e-8, 0.1)
 SCALES = [1e20, 1e30, 1e-20, 1e-25, 1e-40]  # overflowing squares; squares under the smallest normal
@@ -23,6 +23,21 @@ SCALES = [1e20, 1e30, 1e-20, 1e-25, 1e-40]  # overflowing squares; squares under
 
 def _exact(t: torch.Tensor) -> float:
     return float(t.double().pow(2).sum())
+
+
+def squared_sum(grad: torch.Tensor) -> float:
+    """The sum of squares of one gradient, through the optimizers' norm (one rank, one copy)."""
+    return reduced_norm(SquaredNormShare([grad], [1], "cpu"), None) ** 2
+
+
+def test_out_of_range_tensors_are_widened_alone_and_in_range_ones_kept():
+    """A share of tensors inside and outside fp32's range: the in-range ones keep their fp32
+    norm, each divided by its copies; only the others are taken again in fp64."""
+    normal, huge = torch.randn(1_000), torch.randn(1_000) * 1e30
+    share = SquaredNormShare([normal, huge], [2, 4], "cpu")
+    assert share.sums()[1].item() == 1.0
+    fp32 = torch.linalg.vector_norm(normal).double() ** 2
+    assert share.widened().tolist() == [float(fp32 / 2 + huge.double().norm() ** 2 / 4), 0.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

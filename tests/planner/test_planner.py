@@ -218,7 +218,7 @@ def test_ep_cp_pp_volumes():
     counts = 4 * 8 * 3 / 4  # the 4 experts' int64 slot counts before each dispatch
     assert e.comm_bytes["ep"] == pytest.approx(2 * 2 * (4 * 3 / 4 * x * 2 + counts))  # 2 layers/stage, 2 mb, 4 a2a, k=2
     kv = 256 // 2 * 64 * 2
-    stats = 4 + 1 * (2 * 4 + 2) * 4  # per MoE layer pass: tokens per sequence, per-sequence statistics (fp32)
+    stats = 1 * (2 * 4 + 2) * 4  # per MoE layer pass: per-sequence statistics (fp32); dropless: no capacity base
     assert e.comm_bytes["cp"] == pytest.approx(2 * 2 * (4 * (2 - 1) / 2 * kv * 2 + stats))
     assert e.comm_bytes["pp"] == pytest.approx(2 * x)  # one send per micro-batch on the edge stages
 
