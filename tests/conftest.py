@@ -48,3 +48,21 @@ def cached_reference(config, steps: int):
 def reference():
     """reference(config, steps): the single-process trace of `config`, computed once per session."""
     return cached_reference
+
+
+SLOW_TESTS_ENV = "FIVEFOLD_SLOW_TESTS"
+
+
+def pytest_configure(config) -> None:  # noqa: ANN001
+    config.addinivalue_line(
+        "markers", f"slow: part of the opt-in slow suite (README, Tests); runs only with {SLOW_TESTS_ENV}=1")
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001
+    """Tests marked `slow` are skipped, with the reason, unless FIVEFOLD_SLOW_TESTS=1."""
+    if os.environ.get(SLOW_TESTS_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"opt-in slow test; set {SLOW_TESTS_ENV}=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -120,7 +120,18 @@ def _layout_id(config) -> str:  # noqa: ANN001
     return f"{config.model.name}-" + ",".join(changed)
 
 
-@pytest.mark.parametrize("index, config", list(enumerate(LAYOUTS)), ids=[_layout_id(c) for c in LAYOUTS])
+# The default suite runs these (indices into LAYOUTS): every strategy, every cp algorithm, every
+# pipeline schedule, ZeRO-1/2/3 (in a pipeline and hybrid), MoE, and each recomputation mode; the
+# other layouts are in the opt-in slow suite (they take minutes together on two cores).
+DEFAULT_SUITE = (1, 2, 3, 5, 6, 8, 10, 13, 21, 27, 28)
+
+
+def _layout_params() -> list:
+    return [pytest.param(i, c, id=_layout_id(c), marks=() if i in DEFAULT_SUITE else pytest.mark.slow)
+            for i, c in enumerate(LAYOUTS)]
+
+
+@pytest.mark.parametrize("index, config", _layout_params())
 def test_every_parity_layout_runs_on_a_device_that_is_not_the_cpu(index, config, tmp_path, monkeypatch):
     """The first and the last rank: between them every axis's first and last position (the
     first and last pipeline stage, tp rank 0 that reports the loss and one that does not)."""
@@ -167,6 +178,18 @@ def test_layouts_cover_the_parity_matrix_and_every_recompute_mode():
     modes = {RECOMPUTE[i % len(RECOMPUTE)] for i, _ in enumerate(LAYOUTS)}
     assert modes == set(RECOMPUTE)
     assert any(c.layout.pp > 1 for c in LAYOUTS)  # the timeline's gather is traced there
+
+
+def test_the_default_suite_keeps_every_strategy_algorithm_schedule_and_recompute_mode():
+    chosen = [(i, LAYOUTS[i].layout) for i in DEFAULT_SUITE]
+    assert {RECOMPUTE[i % len(RECOMPUTE)] for i, _ in chosen} == set(RECOMPUTE)
+    for axis in ("dp", "tp", "pp", "cp", "ep"):
+        assert any(getattr(lay, axis) > 1 for _, lay in chosen), axis
+    assert {lay.cp_algorithm for _, lay in chosen if lay.cp > 1} >= {"ring", "allgather", "ulysses"}
+    assert {lay.pp_schedule for _, lay in chosen if lay.pp > 1} >= {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert {lay.zero for _, lay in chosen} >= {1, 2, 3}
+    assert any(lay.zero == 3 and lay.pp > 1 for _, lay in chosen) and any(lay.dp_shard for _, lay in chosen)
+    assert any(lay.sequence_parallel for _, lay in chosen)
 
 
 # ------------------------------------------------------------------------ ranks and GPUs
