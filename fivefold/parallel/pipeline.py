@@ -453,7 +453,7 @@ class PipelineRunner:
         row = build_schedule(layout.pp_schedule, layout.pp, layout.grad_accum, layout.vpp)[self.rank]
         self.steps = group_steps(row)
         self.eval_steps = group_steps(forward_only(row))
-        self.synced = _synced_actions(row)
+        self.synced = _synced_actions(row, per_chunk=self.placement == "loop")
         # What stages exchange is the residual stream: fp32 under autocast over fp32 weights,
         # bf16 with bf16 weights (as in the single process, which never widens it)
         self.boundary_dtype = TORCH_DTYPES[PrecisionPolicy.from_train(config.train).residual]
@@ -814,16 +814,25 @@ def _by_peer(steps: list[tuple[Action, ...]], kinds: tuple[ActionKind, ...]) -> 
     return out
 
 
-def _synced_actions(row: list[Action]) -> set[tuple[ActionKind, int, int]]:
+def _synced_actions(row: list[Action], per_chunk: bool = True) -> set[tuple[ActionKind, int, int]]:
     """Actions that run outside `no_sync`: per chunk, the forward and the weight-gradient
-    backward of the last micro-batch whose weight gradient is computed."""
+    backward of the last micro-batch whose weight gradient is computed.
+
+    With `per_chunk` False only the row's very last weight-gradient backward is synced (the
+    forwards stay per chunk). Data-parallel buckets span the chunks of a rank and count the
+    gradients that arrive; under the V placement the two chunks' last weight steps are
+    interleaved with each other's earlier ones, so a bucket's count lines up with whole
+    micro-batches only once the rank's last weight step is done.
+    """
     last: dict[int, Action] = {}
+    final: Action | None = None
     for a in row:
         if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
-            last[a.chunk] = a
+            last[a.chunk] = final = a
     synced = set()
     for chunk, a in last.items():
-        synced.add((a.kind, a.microbatch, chunk))
+        if per_chunk or a is final:
+            synced.add((a.kind, a.microbatch, chunk))
         synced.add((ActionKind.FORWARD, a.microbatch, chunk))
     return synced
 
