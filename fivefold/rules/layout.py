@@ -260,6 +260,11 @@ def _check_pipeline(layout: Layout, model: ModelConfig, num_micro: int) -> None:
             + " or give layout.pp_layers"
         )
     least = dualpipev_min_microbatches(pp)
+    if layout.pp_schedule in V_SCHEDULES and model.tied_embeddings:
+        raise LayoutError(
+            "layout.pp_schedule='dualpipev' puts the embedding and the head in two chunks of pipeline rank 0, "
+            "where a tied embedding is not supported; set model.tied_embeddings=false or use another pp_schedule"
+        )
     if layout.pp_schedule in V_SCHEDULES and num_micro < least:
         raise LayoutError(
             f"the dualpipev schedule with pp={pp} needs at least 2 x pp - 1 = {least} micro-batches, got "
