@@ -29,6 +29,7 @@ from .parallel.optim import AdamWSettings, ReplicatedAdamW
 from .parallel.protocols import ParamFinalizer, TrainingOptimizer
 from .parallel.sharding import materialize
 from .model.step import MicroBatch, cross_entropy_sum, whole_sequence
+from .rules.placement import placement_of, rank_of_stage
 
 if TYPE_CHECKING:
     from .parallel.pipeline import PipelineRunner
@@ -51,7 +52,11 @@ class ParallelModel:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.mesh.pp.rank == self.mesh.pp.size - 1
+        """Whether this rank holds the last virtual stage (the head and the loss): the last
+        pipeline rank, or rank 0 under DualPipeV's V placement."""
+        layout = self.config.layout
+        last = layout.pp * layout.vpp - 1
+        return rank_of_stage(last, layout.pp, placement_of(layout.pp_schedule)) == self.mesh.pp.rank
 
     @property
     def is_first_stage(self) -> bool:

@@ -290,6 +290,9 @@ CASES: list[Case] = [
          ("layout.dp_shard=3 does not divide dp=4", "use one of 1, 2, 4")),
     Case("shard degree without ZeRO", [*TRAIN, "--layout", "dp=4,dp_shard=2"], 2,
          ("layout.dp_shard=2", "set layout.zero to 1, 2 or 3")),
+    Case("dualpipev, too few micro-batches", [*TRAIN, "--model.layers", "4", "--layout", "pp=2,vpp=2,grad_accum=2,"
+         "pp_schedule=dualpipev"], 2, ("needs at least 2 x pp - 1 = 3 micro-batches", "use grad_accum >= 3")),
+    Case("dualpipev, one chunk per rank", [*TRAIN, "--layout", "pp=2,pp_schedule=dualpipev"], 2, ("set vpp=2",)),
     Case("2-process layout, bad lr", [*TRAIN, "--layout", "dp=2", "--train.lr", "nan"], 2, ("train.lr", "finite")),
     Case("2-process layout, busy folder", [*TRAIN[:-1], "{d}/run", "--layout", "dp=2"], 2, ("not empty", "--resume"),
          run=True, keep="run"),

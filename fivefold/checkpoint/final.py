@@ -67,7 +67,7 @@ from ..parallel.buckets import reduction_axis
 from ..parallel.pipeline import stage_layer_ids
 from ..parallel.sharding import Placement, ShardSpec, get_placement, repeats
 from ..rules.layout import Coords, rank_to_coords
-from ..rules.schedules import rank_chunk_of
+from ..rules.placement import placement_of, rank_of_stage
 from .errors import CheckpointError
 from .format import checkpoint_root, list_checkpoints
 from .resume import agree_max
@@ -132,12 +132,13 @@ def saved_tensors(model: ModelConfig) -> list[TensorInfo]:
 def pipeline_owners(config: Config) -> dict[str, int]:
     """The pipeline rank holding each tensor; a tied embedding belongs to the first stage's rank."""
     pp, ids = config.layout.pp, stage_layer_ids(config)
+    placement = placement_of(config.layout.pp_schedule)
     owners: dict[str, int] = {}
     for stage, layer_ids in enumerate(ids):
         with torch.device("meta"):
             chunk = Transformer(config.model, layer_ids=layer_ids, with_embedding=stage == 0, with_head=stage == len(ids) - 1)
         for name in chunk.state_dict(keep_vars=True):
-            owners.setdefault(canonical_name(name, config.model), rank_chunk_of(stage, pp)[0])
+            owners.setdefault(canonical_name(name, config.model), rank_of_stage(stage, pp, placement))
     return owners
 
 

@@ -171,10 +171,10 @@ def ideal_rows(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
     (zero-bubble) spends half of `backward` on the input gradient and half on the weight
     gradient, as `simulate` does.
     """
-    from ..rules.schedules import build_schedule, simulate
+    from ..rules.schedules import build_schedule, placement_of, simulate
 
     table = build_schedule(schedule, pp, num_microbatches, vpp)
-    result = simulate(table, pp, forward / vpp, backward / vpp)
+    result = simulate(table, pp, forward / vpp, backward / vpp, placement=placement_of(schedule))
     return [
         [Event(i.action.kind.value, i.action.microbatch, i.action.chunk, i.start, i.end) for i in row]
         for row in result.timelines

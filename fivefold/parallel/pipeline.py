@@ -5,8 +5,9 @@ Stage split
     the embedding and the last stage the final norm, the head and the loss. Without an
     explicit `layout.pp_layers`, the cut minimises the most expensive stage under a cost
     estimate (multiply-adds per token of each block, plus the head on the last stage).
-    Virtual stage s lives on pipeline rank s % pp as its chunk s // pp (schedules.stage_of),
-    so with vpp > 1 a rank holds vpp chunks that are not adjacent in the model.
+    Virtual stage s lives on pipeline rank s % pp as its chunk s // pp, so with vpp > 1 a rank
+    holds vpp chunks that are not adjacent in the model; under DualPipeV's V placement rank r
+    holds stages r and 2 pp - 1 - r (`rules.placement`, the one description of both).
 
 Executor
     `PipelineRunner` walks this rank's list of a table from `schedules.py`: compute actions
@@ -27,7 +28,9 @@ Executor
       the receive to be posted).
     A stage output is freed as soon as it has been sent (its autograd node stays, which is
     all backward needs) and backward starts from it with the gradient received from the
-    next stage.
+    next stage. Where the next stage is another chunk of the same rank (the tip of the V),
+    the output is handed over in memory, detached, and the input gradient comes back the
+    same way: the table has no action for those transfers.
 
 Zero-bubble weight step
     Under a schedule with BACKWARD_INPUT / BACKWARD_WEIGHT actions (zb-h1) the runner
@@ -83,7 +86,8 @@ from . import comm
 from .deferred import PendingWeightGrad, deferred_linear, weight_grad
 from .optim import TORCH_DTYPES
 from .protocols import ParamFinalizer, TrainingOptimizer
-from ..rules.schedules import Action, ActionKind, build_schedule, group_steps, stage_of
+from ..rules.placement import Placement, placement_of, rank_chunk_of, stage_of
+from ..rules.schedules import Action, ActionKind, build_schedule, group_steps
 from ..model.step import autocast_for, sequence_scale, token_scale
 from .sharding import get_placement, set_placement
 
@@ -112,13 +116,15 @@ def stage_layer_ids(config: Config) -> list[list[int]]:
 
 
 def build_stage_chunks(config: Config, mesh: Mesh) -> list[Transformer]:
-    """This rank's model chunks, on the meta device: chunk c is virtual stage c * pp + rank."""
+    """This rank's model chunks, on the meta device: chunk c is the virtual stage
+    `rules.placement.stage_of` names under the schedule's placement."""
     layout = config.layout
     ids = stage_layer_ids(config)
     last = len(ids) - 1
+    placement = placement_of(layout.pp_schedule)
     chunks = []
     for c in range(layout.vpp):
-        stage = stage_of(mesh.pp.rank, c, layout.pp)
+        stage = stage_of(mesh.pp.rank, c, layout.pp, placement)
         with torch.device("meta"):
             chunk = Transformer(config.model, layer_ids=ids[stage], with_embedding=stage == 0, with_head=stage == last)
         chunks.append(chunk)
@@ -441,12 +447,13 @@ class PipelineRunner:
         self.config, self.mesh, self.chunks = config, mesh, chunks
         self.optimizer, self.loss_fn, self.device = optimizer, loss_fn, device
         self.pp, self.vpp, self.rank = layout.pp, layout.vpp, mesh.pp.rank
+        self.placement: Placement = placement_of(layout.pp_schedule)
         self.num_microbatches = layout.grad_accum
         self.last_stage = layout.pp * layout.vpp - 1
         row = build_schedule(layout.pp_schedule, layout.pp, layout.grad_accum, layout.vpp)[self.rank]
         self.steps = group_steps(row)
         self.eval_steps = group_steps(forward_only(row))
-        self.synced = _synced_actions(row)
+        self.synced = _synced_actions(row, per_chunk=self.placement == "loop")
         # What stages exchange is the residual stream: fp32 under autocast over fp32 weights,
         # bf16 with bf16 weights (as in the single process, which never widens it)
         self.boundary_dtype = TORCH_DTYPES[PrecisionPolicy.from_train(config.train).residual]
@@ -614,7 +621,7 @@ class PipelineRunner:
 
     def _forward(self, action: Action, st: _StepState, training: bool) -> None:
         key, chunk = (action.microbatch, action.chunk), self.chunks[action.chunk]
-        stage = stage_of(self.rank, action.chunk, self.pp)
+        stage = stage_of(self.rank, action.chunk, self.pp, self.placement)
         batch = st.micro_batches[action.microbatch]
         x = batch.inputs if stage == 0 else st.acts.pop(key)
         if stage > 0 and training:
@@ -630,8 +637,11 @@ class PipelineRunner:
             st.loss_sum += ce.detach().double()
         if aux is not None:
             st.aux_sum += aux.detach().double()
+        local_next = self._local_chunk(stage + 1) if ce is None else None
         if not training:
-            if ce is None:
+            if local_next is not None:
+                st.acts[(action.microbatch, local_next)] = out.to(self.boundary_dtype)
+            elif ce is None:
                 st.units[key] = _Unit(None, [], out.to(self.boundary_dtype))
             return
         aux_loss = [aux * sequence_scale(train)] if aux is not None else []
@@ -641,6 +651,8 @@ class PipelineRunner:
         else:
             output = out.to(self.boundary_dtype)
             heads = [output] + aux_loss
+            if local_next is not None:  # no message: the next chunk's input is this output, detached
+                st.acts[(action.microbatch, local_next)] = output.detach()
         st.units[key] = _Unit(x if stage > 0 else None, heads, output, saved[0], pending_weight_grads=pending,
                               deferred=deferred or set())
         st.live_bytes += saved[0]
@@ -660,7 +672,7 @@ class PipelineRunner:
         else:
             torch.autograd.backward(unit.heads, unit.output_grads)
             if unit.input is not None:
-                st.input_grads[key] = unit.input.grad
+                self._hand_back(key, unit.input.grad, st)
         del st.units[key]
         st.live_bytes -= unit.saved_bytes
 
@@ -670,9 +682,28 @@ class PipelineRunner:
         inputs = ([unit.input] if unit.input is not None else []) + others
         grads = torch.autograd.grad(unit.heads, inputs, unit.output_grads, allow_unused=True)
         if unit.input is not None:
-            st.input_grads[key], grads = grads[0], grads[1:]
+            self._hand_back(key, grads[0], st)
+            grads = grads[1:]
         unit.held_grads = {id(p): (p, g) for p, g in zip(others, grads) if g is not None}
         unit.heads = []  # the graph is freed; W needs only what B left behind
+
+    def _local_chunk(self, stage: int) -> int | None:
+        """This rank's chunk holding `stage`, or None where another rank holds it (or no
+        such stage exists)."""
+        if not 0 <= stage <= self.last_stage:
+            return None
+        rank, chunk = rank_chunk_of(stage, self.pp, self.placement)
+        return chunk if rank == self.rank else None
+
+    def _hand_back(self, key: tuple[int, int], input_grad: torch.Tensor, st: _StepState) -> None:
+        """Keep a chunk's input gradient for its SEND_GRAD, or give it straight to the chunk of
+        this rank that produced the input, as the output gradient its backward waits for."""
+        microbatch, chunk = key
+        local_prev = self._local_chunk(stage_of(self.rank, chunk, self.pp, self.placement) - 1)
+        if local_prev is None:
+            st.input_grads[key] = input_grad
+        else:
+            st.grads[(microbatch, local_prev)] = input_grad
 
     def _deferral(self, chunk: int, pending: list[PendingWeightGrad], training: bool):
         if not (training and self.deferrals):
@@ -783,16 +814,25 @@ def _by_peer(steps: list[tuple[Action, ...]], kinds: tuple[ActionKind, ...]) -> 
     return out
 
 
-def _synced_actions(row: list[Action]) -> set[tuple[ActionKind, int, int]]:
+def _synced_actions(row: list[Action], per_chunk: bool = True) -> set[tuple[ActionKind, int, int]]:
     """Actions that run outside `no_sync`: per chunk, the forward and the weight-gradient
-    backward of the last micro-batch whose weight gradient is computed."""
+    backward of the last micro-batch whose weight gradient is computed.
+
+    With `per_chunk` False only the row's very last weight-gradient backward is synced (the
+    forwards stay per chunk). Data-parallel buckets span the chunks of a rank and count the
+    gradients that arrive; under the V placement the two chunks' last weight steps are
+    interleaved with each other's earlier ones, so a bucket's count lines up with whole
+    micro-batches only once the rank's last weight step is done.
+    """
     last: dict[int, Action] = {}
+    final: Action | None = None
     for a in row:
         if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
-            last[a.chunk] = a
+            last[a.chunk] = final = a
     synced = set()
     for chunk, a in last.items():
-        synced.add((a.kind, a.microbatch, chunk))
+        if per_chunk or a is final:
+            synced.add((a.kind, a.microbatch, chunk))
         synced.add((ActionKind.FORWARD, a.microbatch, chunk))
     return synced
 

@@ -16,10 +16,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import Config, Layout, ModelConfig, TrainConfig, check_values, load_config
+from .placement import V_SCHEDULES
 from .precision import PrecisionError, PrecisionPolicy
 from .volumes import ZERO3_GATHERS, local_kv_heads, vocab_rows_per_rank
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 CP_ALGORITHMS = ("allgather", "ring", "ulysses")
 ZIGZAG_ALGORITHMS = ("ring",)  # context-parallel algorithms that balance the causal mask by zigzag segments
 RECOMPUTE = ("none", "selective", "full")
@@ -235,6 +236,7 @@ def _check_vocab_split(vocab: int, tp: int) -> None:
 
 def _check_pipeline(layout: Layout, model: ModelConfig, num_micro: int) -> None:
     pp, vpp = layout.pp, layout.vpp
+    check_chunk_schedule(layout.pp_schedule, vpp)
     chunks = pp * vpp
     if chunks > model.layers:
         raise LayoutError(
@@ -257,7 +259,17 @@ def _check_pipeline(layout: Layout, model: ModelConfig, num_micro: int) -> None:
             + (f"use vpp in {ok}" if ok else f"use a pp that divides {model.layers}")
             + " or give layout.pp_layers"
         )
-    check_chunk_schedule(layout.pp_schedule, vpp)
+    least = dualpipev_min_microbatches(pp)
+    if layout.pp_schedule in V_SCHEDULES and model.tied_embeddings:
+        raise LayoutError(
+            "layout.pp_schedule='dualpipev' puts the embedding and the head in two chunks of pipeline rank 0, "
+            "where a tied embedding is not supported; set model.tied_embeddings=false or use another pp_schedule"
+        )
+    if layout.pp_schedule in V_SCHEDULES and num_micro < least:
+        raise LayoutError(
+            f"the dualpipev schedule with pp={pp} needs at least 2 x pp - 1 = {least} micro-batches, got "
+            f"{num_micro}; use grad_accum >= {least} (global_batch = dp x micro_batch x grad_accum)"
+        )
     if layout.pp_schedule == "interleaved" and pp > 1 and num_micro % pp:
         raise LayoutError(
             f"the interleaved schedule needs a number of micro-batches that is a multiple of pp={pp}, got "
@@ -277,9 +289,23 @@ def _interleaved_batching_advice(layout: Layout) -> str:
             f"use a train.global_batch that is a multiple of dp x pp = {layout.dp * layout.pp}")
 
 
+def dualpipev_min_microbatches(pp: int) -> int:
+    """Fewest micro-batches DualPipeV schedules: rank 0 runs 2 pp - 1 forwards down the V
+    before its first backward, so its steady state holds m - 2 pp + 1 >= 0 forward/backward
+    pairs (rules.schedules.dualpipev)."""
+    return 2 * pp - 1
+
+
 def check_chunk_schedule(schedule: str, vpp: int, schedule_key: str = "layout.pp_schedule") -> None:
-    """More than one model chunk per pipeline rank needs the interleaved schedule (every other
-    table runs one chunk per rank); `schedule_key` names the setting in the message."""
+    """DualPipeV runs exactly two chunks per rank (the V); more than one chunk otherwise needs
+    the interleaved schedule (every other table runs one chunk per rank); `schedule_key`
+    names the setting in the message."""
+    if schedule in V_SCHEDULES:
+        if vpp != 2:
+            raise LayoutError(
+                f"{schedule_key}='{schedule}' places two chunks on each pipeline rank in a V; set vpp=2 (got vpp={vpp})"
+            )
+        return
     if vpp > 1 and schedule != "interleaved":
         raise LayoutError(
             f"vpp={vpp} needs {schedule_key}='interleaved' (got '{schedule}'); set {schedule_key}='interleaved' or vpp=1"

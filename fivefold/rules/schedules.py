@@ -67,7 +67,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from .layout import SCHEDULES
+from .layout import SCHEDULES, dualpipev_min_microbatches
+from .placement import Placement, placement_of, rank_chunk_of, stage_of
 
 
 class ActionKind(enum.Enum):
@@ -129,16 +130,6 @@ F, B, I, W = (
 # --------------------------------------------------------------------------- topology
 
 
-def stage_of(rank: int, chunk: int, pp: int) -> int:
-    """Virtual stage held by ``chunk`` of ``rank``: stages visit the ranks round-robin."""
-    return chunk * pp + rank
-
-
-def rank_chunk_of(stage: int, pp: int) -> tuple[int, int]:
-    """Inverse of :func:`stage_of`: the (rank, chunk) holding a virtual stage."""
-    return stage % pp, stage // pp
-
-
 class Peers(NamedTuple):
     """Ranks of the previous and next virtual stage (None at the ends of the model)."""
 
@@ -146,15 +137,16 @@ class Peers(NamedTuple):
     next: int | None
 
 
-def peers(rank: int, chunk: int, pp: int, vpp: int = 1) -> Peers:
+def peers(rank: int, chunk: int, pp: int, vpp: int = 1, placement: Placement = "loop") -> Peers:
     """Neighbours of chunk ``chunk`` on ``rank``.
 
-    The last rank's chunk c feeds rank 0's chunk c+1, which is why the next rank is
-    taken modulo ``pp`` rather than simply ``rank + 1``.
+    Under the loop placement the last rank's chunk c feeds rank 0's chunk c+1, which is
+    why the next rank is not simply ``rank + 1``; under the V placement the last rank's
+    chunk 0 feeds its own chunk 1 (the peer is the rank itself: no message).
     """
-    stage = stage_of(rank, chunk, pp)
-    prev = rank_chunk_of(stage - 1, pp)[0] if stage > 0 else None
-    nxt = rank_chunk_of(stage + 1, pp)[0] if stage < pp * vpp - 1 else None
+    stage = stage_of(rank, chunk, pp, placement)
+    prev = rank_chunk_of(stage - 1, pp, placement)[0] if stage > 0 else None
+    nxt = rank_chunk_of(stage + 1, pp, placement)[0] if stage < pp * vpp - 1 else None
     return Peers(prev, nxt)
 
 
@@ -268,6 +260,83 @@ def _zb_h1_order(rank: int, pp: int, m: int) -> list[Action]:
     return order
 
 
+class _DualPipeVOrder:
+    """Builds one rank's DualPipeV compute order; see :func:`dualpipev`.
+
+    Chunk 0 (down the V) and chunk 1 (back up) each take their micro-batches in order, so
+    the order is a sequence of "next forward / next backward of chunk c" steps. A split
+    backward either runs its weight part at once (I then W: a full backward) or defers it
+    to a first-in first-out queue drained by later W steps.
+    """
+
+    def __init__(self) -> None:
+        self.order: list[Action] = []
+        self.next_forward = [0, 0]
+        self.next_backward = [0, 0]
+        self.deferred: deque[Action] = deque()
+
+    def forward(self, chunk: int) -> None:
+        self.order.append(Action(F, self.next_forward[chunk], chunk))
+        self.next_forward[chunk] += 1
+
+    def backward(self, chunk: int, defer_weight: bool = False) -> None:
+        mb = self.next_backward[chunk]
+        self.next_backward[chunk] += 1
+        self.order.append(Action(I, mb, chunk))
+        if defer_weight:
+            self.deferred.append(Action(W, mb, chunk))
+        else:
+            self.order.append(Action(W, mb, chunk))
+
+    def weight(self) -> None:
+        self.order.append(self.deferred.popleft())
+
+
+def _dualpipev_order(rank: int, pp: int, m: int) -> list[Action]:
+    """DualPipeV's eight phases on rank r (DeepSeek's DualPipe repository, "cut-in-half").
+
+    1. 2(pp - r - 1) forwards of chunk 0: fill the way down to the tip of the V.
+    2. r + 1 pairs F0 F1: chunk 1's first micro-batches come back up.
+    3. pp - r - 1 times B1 W1 F1: backward starts at the tip, forward still climbs.
+    4. m - 2pp + r + 1 times F0 B1 F1 B0: the steady state, each forward paired with the
+       backward of an older micro-batch (the pairs whose communication DualPipe overlaps).
+    5. pp - r - 1 times B1 F1 B0: the last forwards.
+    6. r + 1 pairs B1 B0; from the middle pair on, the weight part is deferred.
+    7. pp - r - 1 times W B0 (weight deferred): deferred W fill the gaps of the drain.
+    8. The remaining deferred W.
+    """
+    build = _DualPipeVOrder()
+    down, up = 0, 1
+    for _ in range(2 * (pp - rank - 1)):
+        build.forward(down)
+    for _ in range(rank + 1):
+        build.forward(down)
+        build.forward(up)
+    for _ in range(pp - rank - 1):
+        build.backward(up)
+        build.forward(up)
+    for _ in range(m - 2 * pp + rank + 1):
+        build.forward(down)
+        build.backward(up)
+        build.forward(up)
+        build.backward(down)
+    for _ in range(pp - rank - 1):
+        build.backward(up)
+        build.forward(up)
+        build.backward(down)
+    middle = (rank + 1) // 2
+    for i in range(rank + 1):
+        # odd ranks start deferring with this pair's B1, even ranks with its B0
+        build.backward(up, defer_weight=i > middle or (i == middle and rank % 2 == 1))
+        build.backward(down, defer_weight=i >= middle)
+    for _ in range(pp - rank - 1):
+        build.weight()
+        build.backward(down, defer_weight=True)
+    while build.deferred:
+        build.weight()
+    return build.order
+
+
 # ------------------------------------------------------------------ communication
 
 
@@ -301,7 +370,8 @@ Duration = Callable[[int, Action], float]  # seconds (or units) of a compute act
 
 
 def _planned_times(
-    orders: list[list[Action]], pp: int, vpp: int, duration: Duration | None = None, latency: float = 0.0
+    orders: list[list[Action]], pp: int, vpp: int, duration: Duration | None = None, latency: float = 0.0,
+    placement: Placement = "loop",
 ) -> list[Times]:
     """(start, end) of every compute action when each starts as soon as its rank is free and
     its input exists, `latency` after the compute that made it.
@@ -322,7 +392,7 @@ def _planned_times(
         for rank, order in enumerate(orders):
             while len(times[rank]) < len(order):
                 action = order[len(times[rank])]
-                stage = stage_of(rank, action.chunk, pp)
+                stage = stage_of(rank, action.chunk, pp, placement)
                 need = _input_key(action, stage, last)
                 if need is not None and need not in ready:
                     break
@@ -338,7 +408,8 @@ def _planned_times(
     return times
 
 
-def executor_model(table: Table, pp: int, duration: Duration, latency: float = 0.0) -> list[Times]:
+def executor_model(table: Table, pp: int, duration: Duration, latency: float = 0.0,
+                   placement: Placement = "loop") -> list[Times]:
     """(start, end) of each rank's compute actions, in list order, as the executor runs
     `table` on a machine without contention: compute action a of rank r lasts
     `duration(r, a)` and a transfer arrives `latency` after its tensor exists.
@@ -349,7 +420,7 @@ def executor_model(table: Table, pp: int, duration: Duration, latency: float = 0
     """
     orders = [[a for a in row if a.kind.is_compute] for row in table]
     vpp = 1 + max((a.chunk for row in orders for a in row), default=0)
-    return _planned_times(orders, pp, vpp, duration, latency)
+    return _planned_times(orders, pp, vpp, duration, latency, placement)
 
 
 def _free_at(times: Times, t: float) -> float:
@@ -370,7 +441,7 @@ def _rendezvous(ta: Times, tb: Times, t: float) -> float:
         t = tb_free
 
 
-def _with_communication(orders: list[list[Action]], pp: int, vpp: int) -> Table:
+def _with_communication(orders: list[list[Action]], pp: int, vpp: int, placement: Placement = "loop") -> Table:
     """Insert the sends and receives into per-rank compute orders.
 
     Every transfer is given one moment: the first time, after its producer finishes,
@@ -380,23 +451,26 @@ def _with_communication(orders: list[list[Action]], pp: int, vpp: int) -> Table:
     which every rank follows, so no rank can wait on a peer that waits on it, and point
     to point messages between a pair of ranks match first-in first-out. With the planned
     durations both sides reach each batch at the same time: the blocking executor
-    reproduces the planned timeline exactly.
+    reproduces the planned timeline exactly. A transfer between two chunks of one rank
+    (the tip of the V placement) is no message and gets no action.
     """
     last = pp * vpp - 1
-    times = _planned_times(orders, pp, vpp)
+    times = _planned_times(orders, pp, vpp, placement=placement)
     consumer: dict[tuple[str, int, int], tuple[int, int]] = {}
     for rank, order in enumerate(orders):
         for i, action in enumerate(order):
-            need = _input_key(action, stage_of(rank, action.chunk, pp), last)
+            need = _input_key(action, stage_of(rank, action.chunk, pp, placement), last)
             if need is not None:
                 consumer[need] = (rank, i)
     comms: list[list[tuple[tuple, Action]]] = [[] for _ in range(pp)]
     for rank, order in enumerate(orders):
         for i, action in enumerate(order):
-            out = _output_key(action, stage_of(rank, action.chunk, pp), last)
+            out = _output_key(action, stage_of(rank, action.chunk, pp, placement), last)
             if out is None:
                 continue
             dst, j = consumer[out]
+            if dst == rank:
+                continue
             moment = min(_rendezvous(times[rank], times[dst], times[rank][i][1]), times[dst][j][0])
             key = (moment, rank, dst, out)
             send_kind = ActionKind.SEND_ACT if out[0] == "act" else ActionKind.SEND_GRAD
@@ -434,8 +508,8 @@ def _check_sizes(pp: int, num_microbatches: int, vpp: int) -> None:
         raise ValueError(f"vpp must be >= 1, got {vpp}")
 
 
-def _build(order: Callable[[int], list[Action]], pp: int, vpp: int) -> Table:
-    return _with_communication([order(rank) for rank in range(pp)], pp, vpp)
+def _build(order: Callable[[int], list[Action]], pp: int, vpp: int, placement: Placement = "loop") -> Table:
+    return _with_communication([order(rank) for rank in range(pp)], pp, vpp, placement)
 
 
 def gpipe(pp: int, num_microbatches: int) -> Table:
@@ -480,6 +554,20 @@ def zero_bubble_h1(pp: int, num_microbatches: int) -> Table:
     return _build(lambda r: _zb_h1_order(r, pp, num_microbatches), pp, 1)
 
 
+def dualpipev(pp: int, num_microbatches: int) -> Table:
+    """DualPipeV: 2 pp chunks placed in a V (rank r holds stages r and 2 pp - 1 - r), the
+    backward split into input (I) and weight (W) steps, and in the steady state every
+    forward of one micro-batch paired with the backward of another on the same rank."""
+    _check_sizes(pp, num_microbatches, 2)
+    least = dualpipev_min_microbatches(pp)
+    if num_microbatches < least:
+        raise ValueError(
+            f"dualpipev with pp={pp} needs at least 2 x pp - 1 = {least} micro-batches, got {num_microbatches}; "
+            f"use num_microbatches >= {least}"
+        )
+    return _build(lambda r: _dualpipev_order(r, pp, num_microbatches), pp, 2, "v")
+
+
 ALIASES = {"zero-bubble": "zb-h1"}  # other names accepted for the schedules of layout.SCHEDULES
 
 
@@ -490,6 +578,10 @@ def build_schedule(name: str, pp: int, num_microbatches: int, vpp: int = 1) -> T
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {SCHEDULES}")
     if key == "interleaved":
         return interleaved_1f1b(pp, num_microbatches, vpp)
+    if key == "dualpipev":
+        if vpp != 2:
+            raise ValueError(f"'dualpipev' runs two chunks per rank in a V; use vpp=2, got vpp={vpp}")
+        return dualpipev(pp, num_microbatches)
     if vpp != 1:
         raise ValueError(
             f"vpp={vpp} needs the 'interleaved' schedule; {name!r} runs one chunk per rank"
@@ -571,8 +663,10 @@ class _Simulation:
     """Discrete-event run of a table; times are maxima over dependencies, so the result
     does not depend on the order in which ranks are stepped."""
 
-    def __init__(self, table: Table, pp: int, durations: dict[ActionKind, float], comm_time: float):
+    def __init__(self, table: Table, pp: int, durations: dict[ActionKind, float], comm_time: float,
+                 placement: Placement = "loop"):
         self.table, self.pp, self.durations, self.comm_time = table, pp, durations, comm_time
+        self.placement = placement
         self.vpp = 1 + max((a.chunk for row in table for a in row), default=0)
         self.ranks = [_Rank() for _ in range(pp)]
         self.sends: dict[tuple[int, int], deque[_Op]] = {}
@@ -581,7 +675,7 @@ class _Simulation:
     def stage(self, rank: int, action: Action) -> int:
         if not 0 <= action.chunk < self.vpp:
             raise ValueError(f"rank {rank}: {action} has chunk outside 0..{self.vpp - 1}")
-        return stage_of(rank, action.chunk, self.pp)
+        return stage_of(rank, action.chunk, self.pp, self.placement)
 
     def run(self) -> None:
         progressed = True
@@ -642,14 +736,27 @@ class _Simulation:
                 raise ValueError(f"{where} comes before its input-gradient part, or twice")
             st.weight_grad.add(key)
             st.live -= 1
+        self.hand_over_locally(rank, st, a, stage)
         start = st.clock
         st.clock += self.durations[a.kind]
         st.busy += st.clock - start
         st.timeline.append(Interval(start, st.clock, a))
 
+    def hand_over_locally(self, rank: int, st: _Rank, a: Action, stage: int) -> None:
+        """A forward output (input gradient) whose consumer is another chunk of this rank
+        arrives there at once, without a message."""
+        if a.kind is F and stage < self.pp * self.vpp - 1:
+            to_rank, to_chunk = rank_chunk_of(stage + 1, self.pp, self.placement)
+            if to_rank == rank:
+                st.got_act.add((a.microbatch, to_chunk))
+        elif a.kind in (B, I) and stage > 0:
+            to_rank, to_chunk = rank_chunk_of(stage - 1, self.pp, self.placement)
+            if to_rank == rank:
+                st.got_grad.add((a.microbatch, to_chunk))
+
     def post(self, rank: int, a: Action, now: float) -> _Op:
         self.stage(rank, a)  # validates the chunk index
-        nb, st = peers(rank, a.chunk, self.pp, self.vpp), self.ranks[rank]
+        nb, st = peers(rank, a.chunk, self.pp, self.vpp, self.placement), self.ranks[rank]
         key = (a.microbatch, a.chunk)
         expected = {
             ActionKind.SEND_ACT: (nb.next, key in st.forward),
@@ -657,7 +764,7 @@ class _Simulation:
             ActionKind.RECV_ACT: (nb.prev, True),
             ActionKind.RECV_GRAD: (nb.next, True),
         }[a.kind]
-        if a.peer is None or a.peer != expected[0]:
+        if a.peer is None or a.peer != expected[0] or a.peer == rank:
             raise ValueError(f"rank {rank}: {a} should name peer {expected[0]}")
         if not expected[1]:
             raise ValueError(f"rank {rank}: {a} sends a result not yet computed")
@@ -710,6 +817,7 @@ def simulate(
     b_time: float = 2.0,
     w_time: float | None = None,
     comm_time: float = 0.0,
+    placement: Placement = "loop",
 ) -> SimResult:
     """Run a table on an idealised machine and measure it.
 
@@ -719,6 +827,7 @@ def simulate(
     operation is matched by the peer (first-in first-out per sender/receiver pair), then
     takes ``comm_time``. Raises :class:`DeadlockError` if the table cannot finish and
     ``ValueError`` if it breaks a data dependency or pairs mismatched messages.
+    ``placement`` says which virtual stage each (rank, chunk) is (`rules.placement`).
     """
     if len(table) != pp:
         raise ValueError(f"table has {len(table)} rank lists, expected pp={pp}")
@@ -726,7 +835,7 @@ def simulate(
     if not 0 <= w <= b_time:
         raise ValueError(f"w_time={w_time} must lie in [0, b_time={b_time}]")
     durations = {F: f_time, B: b_time, I: b_time - w, W: w}
-    sim = _Simulation(table, pp, durations, comm_time)
+    sim = _Simulation(table, pp, durations, comm_time, placement)
     sim.run()
     makespan = max(st.clock for st in sim.ranks)
     busy = tuple(st.busy for st in sim.ranks)

@@ -9,8 +9,8 @@ Stage split
     The model is cut into pp x vpp virtual stages of consecutive layers. Without an
     explicit `layout.pp_layers`, the cut minimises the most expensive stage under a cost
     estimate (multiply-adds per token of each block, plus the head on the last stage).
-    Virtual stage s lives on pipeline rank s % pp as its chunk s // pp
-    (`rules.schedules.stage_of`).
+    Which pipeline rank holds virtual stage s is `rules.placement`'s rule: s % pp as its
+    chunk s // pp, or, under DualPipeV's V, rank s (chunk 0) or 2 pp - 1 - s (chunk 1).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from ..config import ModelConfig
+from .placement import Placement, rank_of_stage
 
 
 def layer_cost(model: ModelConfig, index: int, seq_len: int) -> float:
@@ -137,11 +138,11 @@ def stage_layer_ids(counts: Sequence[int]) -> list[list[int]]:
     return ids
 
 
-def rank_layer_ids(counts: Sequence[int], pp: int) -> list[list[int]]:
-    """Layer indices each pipeline rank holds (all of its chunks): stage s lives on rank s % pp."""
+def rank_layer_ids(counts: Sequence[int], pp: int, placement: Placement = "loop") -> list[list[int]]:
+    """Layer indices each pipeline rank holds (all of its chunks), under `placement`."""
     ranks: list[list[int]] = [[] for _ in range(pp)]
     for stage, ids in enumerate(stage_layer_ids(counts)):
-        ranks[stage % pp].extend(ids)
+        ranks[rank_of_stage(stage, pp, placement)].extend(ids)
     return ranks
 
 
@@ -163,12 +164,20 @@ def bubble_units(schedule: str, pp: int, num_microbatches: int, vpp: int = 1,
       for T_F = T_B = T_W it is one third of 1F1B's bubble. With m < p micro-batches there
       are too few W to fill the tail: (p - 1)(F + B) - (m - 1) W (the runtime's table,
       `rules.schedules.zero_bubble_h1`, idles exactly that long).
+    * DualPipeV: the DualPipe repository's table gives (PP/2 - 1)(F&B + B - 3W) for PP
+      stages, here 2p chunks of half a device's layers each; run one after the other (no
+      overlap) a paired forward and backward take F&B = F + B + W, so a device idles
+      (p - 1)(F + 2B - 2W)/2 in whole-device times. The runtime's table
+      (`rules.schedules.dualpipev`, planned for F = B = W) idles exactly that long with
+      F = B = W: (p - 1)/6, half of ZB-H1's.
     """
     p, m = pp, num_microbatches
     if p == 1:
         return 0.0
     if schedule == "interleaved":
         return (p - 1) / vpp
+    if schedule == "dualpipev":
+        return max((p - 1) * (t_f + 2 * t_b - 2 * t_w) / 2, 0.0) / (t_f + t_b + t_w)
     if schedule == "zb-h1":
         idle = (p - 1) * (t_f + t_b - t_w) if m >= p else (p - 1) * (t_f + t_b) - (m - 1) * t_w
         return max(idle, 0.0) / (t_f + t_b + t_w)

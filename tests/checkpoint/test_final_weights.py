@@ -214,6 +214,10 @@ def test_the_plan_spreads_files_over_the_stage_holding_them_and_gives_a_tied_emb
     owners = plan_final_weights(interleaved).owners  # virtual stage s on pipeline rank s % pp
     assert [owners[f"layers.{i}.attn.wq.weight"] for i in range(4)] == [0, 1, 0, 1]
     assert owners["embed.weight"] == 0 and owners["head.weight"] == 1
+    v_shape = validate(_with_layout(_tiny(), pp=2, vpp=2, pp_schedule="dualpipev", grad_accum=4), 2)
+    owners = plan_final_weights(v_shape).owners  # stages 0 and 3 on rank 0, 1 and 2 on rank 1
+    assert [owners[f"layers.{i}.attn.wq.weight"] for i in range(4)] == [0, 1, 1, 0]
+    assert owners["embed.weight"] == 0 and owners["head.weight"] == 0
 
 
 # ------------------------------------------------------------------- saving under layouts (pool)

@@ -95,6 +95,11 @@ BAD_LAYOUTS = [
     ({"layout.pp": 2, "layout.pp_schedule": "interleaved", "layout.vpp": 2, "layout.grad_accum": 1,
       "train.global_batch": 3}, "no grad_accum can: the 3 sequences per data-parallel rank are not a multiple of "
      "pp=2; use a train.global_batch that is a multiple of dp x pp = 2"),
+    ({"layout.pp": 2, "layout.pp_schedule": "dualpipev"}, "places two chunks on each pipeline rank in a V; set vpp=2"),
+    ({"layout.pp": 2, "layout.pp_schedule": "dualpipev", "layout.vpp": 2, "layout.grad_accum": 2},
+     "needs at least 2 x pp - 1 = 3 micro-batches, got 2; use grad_accum >= 3"),
+    ({"layout.pp": 2, "layout.pp_schedule": "dualpipev", "layout.vpp": 2, "layout.grad_accum": 4,
+      "model.tied_embeddings": True}, "set model.tied_embeddings=false or use another pp_schedule"),
     ({"layout.cp_algorithm": "teleport"}, "cp_algorithm='teleport' is unknown"),
     ({"layout.cp": 2, "train.seq_len": 30}, "seq_len=30 is not divisible by 4"),
     ({"layout.ep": 2, "layout.dp": 2}, "needs a Mixture-of-Experts model"),

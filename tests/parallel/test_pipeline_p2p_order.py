@@ -52,8 +52,12 @@ def _cheap_cpu_math() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _chunks_per_rank(schedule: str) -> int:
+    return 2 if schedule in ("interleaved", "dualpipev") else 1
+
+
 def _config(schedule: str, pp: int, microbatches: int) -> Config:
-    vpp = 2 if schedule == "interleaved" else 1
+    vpp = _chunks_per_rank(schedule)
     return validate(load_config("tiny", [
         f"layout.pp={pp}", f"layout.vpp={vpp}", f"layout.pp_schedule={schedule}",
         f"layout.grad_accum={microbatches}", f"train.global_batch={microbatches}", "train.seq_len=8",
@@ -83,11 +87,13 @@ def _issued_groups(config: Config, rank: int) -> list[P2PGroup]:
 
 def _cases() -> list[tuple[str, int, int]]:
     """Every schedule at pp 2, 3 and 4; micro-batch counts below, at, off and at twice pp
-    (the interleaved schedule takes multiples of pp only)."""
+    (the interleaved schedule takes multiples of pp only, DualPipeV at least 2 pp - 1)."""
     cases = []
     for schedule in SCHEDULES:
         for pp in (2, 3, 4):
             counts = (pp, 2 * pp) if schedule == "interleaved" else (1, pp, pp + 1, 2 * pp)
+            if schedule == "dualpipev":
+                counts = (2 * pp - 1, 2 * pp, 3 * pp)
             cases += [(schedule, pp, m) for m in counts]
     return cases
 
@@ -115,7 +121,7 @@ def _train_in_nccl_order(ctx, config: Config, steps: int):
 def test_nccl_order_trains_as_one_process_does(pools, reference, schedule):
     """The NCCL order run by real processes (gloo): the single-process result, and the
     groups it issued, over two steps, hold under NCCL's rules."""
-    microbatches, vpp = (4, 2) if schedule == "interleaved" else (3, 1)
+    microbatches, vpp = (4, 2) if schedule == "interleaved" else (3, _chunks_per_rank(schedule))
     config = load_config("tiny", ["train.seq_len=16", "layout.pp=2", f"layout.vpp={vpp}",
                                   f"layout.pp_schedule={schedule}", f"layout.grad_accum={microbatches}",
                                   f"train.global_batch={2 * microbatches}"])

@@ -21,6 +21,7 @@ SCHEDULES = [
     _cfg(pp=2, dp=2, zero=3, pp_schedule="1f1b", grad_accum=4),
     _cfg(pp=2, dp=2, zero=3, pp_schedule="interleaved", vpp=2, grad_accum=4),
     _cfg(pp=2, dp=2, zero=3, pp_schedule="zb-h1", grad_accum=4),
+    _cfg(pp=2, dp=2, zero=3, pp_schedule="dualpipev", vpp=2, grad_accum=4),
     _cfg("model.tied_embeddings=true", pp=2, dp=2, zero=3, pp_schedule="1f1b", grad_accum=4),
 ]
 

@@ -17,6 +17,7 @@ from fivefold.rules.schedules import (
     executor_model,
     group_steps,
     peers,
+    placement_of,
     rank_chunk_of,
     simulate,
     stage_of,
@@ -37,6 +38,8 @@ def _configs() -> list[tuple[str, int, int, int]]:
                 if name == "interleaved" and m % pp:
                     continue
                 out.append((name, pp, m, vpp))
+    for pp in PPS:  # DualPipeV: two chunks per rank, from its fewest micro-batches (2 pp - 1) on
+        out += [("dualpipev", pp, m, 2) for m in sorted({2 * pp - 1, 2 * pp, 8, 13}) if m >= 2 * pp - 1]
     return out
 
 
@@ -48,8 +51,18 @@ def _vpp_of(table: list[list[Action]]) -> int:
     return 1 + max(a.chunk for row in table for a in row)
 
 
-def _stage(rank: int, a: Action, pp: int) -> int:
-    return stage_of(rank, a.chunk, pp)
+def _stage(rank: int, a: Action, pp: int, name: str = "1f1b") -> int:
+    return stage_of(rank, a.chunk, pp, placement_of(name))
+
+
+def _simulate(name: str, table, pp: int, *args, **kwargs):
+    """`simulate` under the chunk placement of schedule `name`."""
+    return simulate(table, pp, *args, placement=placement_of(name), **kwargs)
+
+
+def _split(name: str) -> bool:
+    """Whether the schedule splits the backward into input and weight steps."""
+    return name in ("zb-h1", "dualpipev")
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,6 +89,40 @@ def test_stage_mapping_round_trips_and_wraps():
     assert peers(0, 1, pp, vpp) == (pp - 1, 1)
     assert peers(pp - 1, vpp - 1, pp, vpp) == (pp - 2, None)
     assert peers(0, 0, 1, 1) == (None, None)
+
+
+def test_v_placement_round_trips_and_turns_at_the_last_rank():
+    pp = 4
+    for rank, chunk in itertools.product(range(pp), range(2)):
+        assert rank_chunk_of(stage_of(rank, chunk, pp, "v"), pp, "v") == (rank, chunk)
+    assert [stage_of(r, 0, pp, "v") for r in range(pp)] == [0, 1, 2, 3]
+    assert [stage_of(r, 1, pp, "v") for r in range(pp)] == [7, 6, 5, 4]  # first and last stage on rank 0
+    assert peers(pp - 1, 0, pp, 2, "v") == (pp - 2, pp - 1)  # the tip feeds its own chunk 1
+    assert peers(0, 1, pp, 2, "v") == (1, None)
+    assert placement_of("dualpipev") == "v" and placement_of("interleaved") == "loop"
+
+
+def test_dualpipev_pairs_forward_and_backward_in_the_steady_state():
+    """Rank 0 (m = 8, pp = 2): chunk 0's forward of micro-batch k + 2 runs next to chunk 1's
+    backward of k, and chunk 1's forward of k + 1 next to chunk 0's backward of k - 1: each
+    forward sits beside another micro-batch's backward (I then W: a full backward)."""
+    row = [a for a in build_schedule("dualpipev", 2, 8, 2)[0] if a.kind.is_compute]
+    steady = [repr(a) for a in row[7:19]]
+    assert steady == ["F3.0", "I1.1", "W1.1", "F2.1", "I0.0", "W0.0", "F4.0", "I2.1", "W2.1", "F3.1", "I1.0", "W1.0"]
+
+
+def test_dualpipev_bubble_rule_matches_the_table():
+    """`rules.stages.bubble_units` (the planner's and the timeline's bubble) equals the idle
+    time of the simulated table with F = B = W, in whole-device micro-batch units."""
+    from fivefold.rules.stages import bubble_units
+
+    for pp, m in [(2, 3), (2, 8), (4, 8), (8, 16)]:
+        result = simulate(build_schedule("dualpipev", pp, m, 2), pp, 1.0, 2.0, 1.0, placement="v")
+        idle = result.makespan - result.ideal
+        assert idle == pytest.approx(pp - 1)
+        assert bubble_units("dualpipev", pp, m, 2) == pytest.approx(idle / 6)  # a device's micro-batch is 6 units
+        zb = simulate(build_schedule("zb-h1", pp, m), pp, 1.0, 2.0, 1.0)
+        assert idle / result.ideal == pytest.approx(zb.bubble / 2)  # half of ZB-H1's bubble
 
 
 def test_group_steps_batches_consecutive_communication():
@@ -124,6 +171,8 @@ def test_aliases_and_degenerate_interleaving():
         (("1f1b", 4, 0), "num_microbatches must be >= 1"),
         (("interleaved", 4, 8, 0), "vpp must be >= 1"),
         (("pipedream", 4, 8), "unknown pipeline schedule"),
+        (("dualpipev", 4, 8, 1), "use vpp=2, got vpp=1"),
+        (("dualpipev", 4, 6, 2), "needs at least 2 x pp - 1 = 7 micro-batches, got 6; use num_microbatches >= 7"),
     ],
 )
 def test_invalid_arguments_say_what_works(args, message):
@@ -137,12 +186,12 @@ def test_invalid_arguments_say_what_works(args, message):
 def test_every_unit_computed_exactly_once(case):
     name, pp, m, vpp, table = case
     counts = Counter(
-        (a.kind, a.microbatch, _stage(r, a, pp))
+        (a.kind, a.microbatch, _stage(r, a, pp, name))
         for r, row in enumerate(table)
         for a in row
         if a.kind in COMPUTE
     )
-    split = name == "zb-h1"
+    split = _split(name)
     expected_kinds = (
         (K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT) if split else (K.FORWARD, K.BACKWARD)
     )
@@ -169,21 +218,22 @@ def test_forward_before_backward_and_weight_after_input(case):
 
 
 def test_receives_precede_consumers_and_sends_follow_producers(case):
-    _, pp, m, vpp, table = case
-    last = pp * vpp - 1
+    """A neighbour stage on the same rank (the tip of DualPipeV's V) is no message."""
+    name, pp, m, vpp, table = case
     for rank, row in enumerate(table):
         pos = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(row)}
         for a in row:
             key = (a.microbatch, a.chunk)
-            stage = _stage(rank, a, pp)
+            nb = peers(rank, a.chunk, pp, vpp, placement_of(name))
+            remote_prev, remote_next = nb.prev not in (None, rank), nb.next not in (None, rank)
             backward = K.BACKWARD if (K.BACKWARD, *key) in pos else K.BACKWARD_INPUT
-            if a.kind is K.FORWARD and stage > 0:
+            if a.kind is K.FORWARD and remote_prev:
                 assert pos[(K.RECV_ACT, *key)] < pos[(K.FORWARD, *key)]
-            if a.kind is K.FORWARD and stage < last:
+            if a.kind is K.FORWARD and remote_next:
                 assert pos[(K.FORWARD, *key)] < pos[(K.SEND_ACT, *key)]
-            if a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and stage < last:
+            if a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and remote_next:
                 assert pos[(K.RECV_GRAD, *key)] < pos[(backward, *key)]
-            if a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and stage > 0:
+            if a.kind in (K.BACKWARD, K.BACKWARD_INPUT) and remote_prev:
                 assert pos[(backward, *key)] < pos[(K.SEND_GRAD, *key)]
 
 
@@ -191,7 +241,7 @@ def test_sends_and_receives_pair_one_to_one_in_order(case):
     """The n-th send from rank a to rank b is the n-th receive of b from a: same
     micro-batch, same kind of tensor, adjacent virtual stages. This is what lets the
     executor post p2p ops in list order without tags."""
-    _, pp, m, vpp, table = case
+    name, pp, m, vpp, table = case
     sends: dict[tuple[int, int], list[tuple[K, int, int]]] = {}
     recvs: dict[tuple[int, int], list[tuple[K, int, int]]] = {}
     for rank, row in enumerate(table):
@@ -199,8 +249,8 @@ def test_sends_and_receives_pair_one_to_one_in_order(case):
             if not a.kind.is_comm:
                 continue
             assert a.peer is not None and a.peer != rank
-            nb = peers(rank, a.chunk, pp, vpp)
-            stage = _stage(rank, a, pp)
+            nb = peers(rank, a.chunk, pp, vpp, placement_of(name))
+            stage = _stage(rank, a, pp, name)
             if a.kind is K.SEND_ACT:
                 assert a.peer == nb.next
                 sends.setdefault((rank, a.peer), []).append((K.RECV_ACT, a.microbatch, stage + 1))
@@ -211,8 +261,11 @@ def test_sends_and_receives_pair_one_to_one_in_order(case):
                 assert a.peer == (nb.prev if a.kind is K.RECV_ACT else nb.next)
                 recvs.setdefault((a.peer, rank), []).append((a.kind, a.microbatch, stage))
     assert sends == recvs
-    expected_messages = 2 * m * (pp * vpp - 1)
-    assert sum(map(len, sends.values())) == expected_messages
+    crossings = sum(  # stage boundaries between two ranks
+        stage_rank(s) != stage_rank(s + 1) for s in range(pp * vpp - 1)
+        for stage_rank in [lambda s: rank_chunk_of(s, pp, placement_of(name))[0]]
+    )
+    assert sum(map(len, sends.values())) == 2 * m * crossings
 
 
 # ------------------------------------------------------------------ simulation
@@ -220,12 +273,12 @@ def test_sends_and_receives_pair_one_to_one_in_order(case):
 
 def test_simulation_finishes_and_respects_dependencies(case):
     name, pp, m, vpp, table = case
-    result = simulate(table, pp, w_time=1.0 if name == "zb-h1" else None)
+    result = _simulate(name, table, pp, w_time=1.0 if _split(name) else None)
     done: dict[tuple[str, int, int], tuple[float, float]] = {}
     for rank, timeline in enumerate(result.timelines):
         for start, end, a in timeline:
             tag = "F" if a.kind is K.FORWARD else a.kind.value
-            done[(tag, a.microbatch, _stage(rank, a, pp))] = (start, end)
+            done[(tag, a.microbatch, _stage(rank, a, pp, name))] = (start, end)
     last = pp * vpp - 1
     for (tag, mb, s), (start, _) in done.items():
         if tag == "F" and s > 0:
@@ -240,19 +293,25 @@ def test_simulation_finishes_and_respects_dependencies(case):
 
 def test_no_deadlock_whatever_the_timing(case):
     """Deadlock freedom does not rest on the durations the tables were planned for."""
-    _, pp, _, _, table = case
+    name, pp, _, _, table = case
     rng = random.Random(0)
     for _ in range(3):
         f, b = rng.uniform(0.2, 3), rng.uniform(0.2, 3)
         w, comm = rng.uniform(0, b), rng.uniform(0, 1)
-        result = simulate(table, pp, f_time=f, b_time=b, w_time=w, comm_time=comm)
+        result = _simulate(name, table, pp, f_time=f, b_time=b, w_time=w, comm_time=comm)
         assert result.makespan >= result.ideal > 0
 
 
 def test_peak_in_flight(case):
     name, pp, m, vpp, table = case
-    peaks = simulate(table, pp).peak_in_flight
-    if name == "gpipe":
+    peaks = _simulate(name, table, pp).peak_in_flight
+    if name == "dualpipev":
+        # the DualPipe table's activation per device, PP + 1 chunk units for PP = 2 pp stages;
+        # one less on rank 0 when it has no steady state (m = 2 pp - 1)
+        expected = [2 * pp + 1] * pp
+        expected[0] -= m == 2 * pp - 1
+        assert peaks == tuple(expected)
+    elif name == "gpipe":
         assert peaks == tuple([m] * pp)
     elif name in ("1f1b", "interleaved"):
         # 1F1B: rank r holds min(m, pp - r); interleaving adds (vpp - 1) * pp chunk units.
@@ -265,9 +324,13 @@ def test_peak_in_flight(case):
 def test_published_bubble_formulas(case):
     """f=1, b=2 (ZB: F=B=W=1, i.e. b_time=2 split 1+1), no communication cost."""
     name, pp, m, vpp, table = case
-    result = simulate(table, pp, f_time=1.0, b_time=2.0, w_time=1.0, comm_time=0.0)
+    result = _simulate(name, table, pp, f_time=1.0, b_time=2.0, w_time=1.0, comm_time=0.0)
     assert result.ideal == m * vpp * 3.0
-    if name in ("gpipe", "1f1b"):
+    if name == "dualpipev":
+        # (PP/2 - 1)(F&B + B - 3W) over PP = 2 pp chunk stages, F&B = F + B + W run one
+        # after the other: (pp - 1)(1 + 3 - 3) = pp - 1 idle per rank, of 6 m of work
+        expected = (pp - 1) / (6 * m)
+    elif name in ("gpipe", "1f1b"):
         expected = (pp - 1) / m
     elif name == "interleaved":
         expected = (pp - 1) / (m * vpp)
@@ -301,8 +364,10 @@ def _model_makespan(table, pp: int, latency: float = 0.0) -> float:
 def test_executor_model_without_latency_keeps_the_blocking_makespan(case):
     """With the planned durations and free transfers, posting sends early and waiting for a
     receive only at its consumer finishes exactly when the blocking simulator does."""
-    _, pp, _, _, table = case
-    assert _model_makespan(table, pp) == pytest.approx(simulate(table, pp, 1.0, 2.0, 1.0).makespan)
+    name, pp, _, _, table = case
+    planned = executor_model(table, pp, lambda rank, a: PLAN[a.kind], placement=placement_of(name))
+    makespan = max((t[-1][1] for t in planned if t), default=0.0)
+    assert makespan == pytest.approx(_simulate(name, table, pp, 1.0, 2.0, 1.0).makespan)
 
 
 @pytest.mark.parametrize("name, pp, m, transfers", [
