@@ -38,7 +38,8 @@ _SCHEDULE_ALIASES = {
 }
 # Schedules the planner costs before the runtime runs them, and the runtime schedule whose
 # rules (devices, micro-batches, layer split, one chunk per rank) stand in for their validation.
-PLANNER_SCHEDULES = {"dualpipev": "zb-h1"}
+# None at present: the runtime runs every schedule the planner costs (DualPipeV included).
+PLANNER_SCHEDULES: dict[str, str] = {}
 PLANNED_SCHEDULES = tuple(dict.fromkeys((*SCHEDULES, *PLANNER_SCHEDULES)))
 _CP_ALIASES = {
     "allgather": "allgather", "all-gather": "allgather", "all_gather": "allgather",
@@ -257,6 +258,8 @@ class LayoutSpec:
         if sched is None:
             raise UnknownNameError(f"schedule={self.schedule!r} is unknown; use one of {choices(PLANNED_SCHEDULES)}")
         object.__setattr__(self, "schedule", sched)
+        if sched == "dualpipev" and self.vpp == 1:  # DualPipeV always holds two chunks per rank (a V)
+            object.__setattr__(self, "vpp", 2)
         cp_kind = _CP_ALIASES.get(str(self.cp_kind).lower())
         if cp_kind is None:
             raise UnknownNameError(f"cp_kind={self.cp_kind!r} is unknown; use one of {choices(CP_KINDS)}")

@@ -252,7 +252,7 @@ def _check_pipeline(layout: Layout, model: ModelConfig, num_micro: int) -> None:
             raise LayoutError(
                 f"layout.pp_layers={list(layout.pp_layers)} must be positive and sum to the model's {model.layers} layers"
             )
-    elif vpp > 1 and model.layers % chunks:
+    elif vpp > 1 and layout.pp_schedule == "interleaved" and model.layers % chunks:
         ok = [v for v in divisors(model.layers // pp) if model.layers % pp == 0] if model.layers % pp == 0 else []
         raise LayoutError(
             f"vpp={vpp} does not divide the layers per stage ({model.layers} layers over pp={pp}); "

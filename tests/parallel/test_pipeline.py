@@ -305,6 +305,8 @@ def test_parity_dualpipev(pools, reference):
     for overrides in [
         ["layout.pp=2", "layout.grad_accum=3", "train.global_batch=6"],
         ["layout.pp=4", "layout.grad_accum=7", "train.global_batch=7", "model.layers=8"],
+        # layers that do not divide into 2 pp chunks: the balanced cut gives the chunks 1 to 2 layers
+        ["layout.pp=2", "layout.grad_accum=3", "train.global_batch=6", "model.layers=7"],
     ]:
         _check_parity(pools, reference, dualpipev + overrides)
     moe = ["layout.pp=2", "layout.dp=2", "layout.ep=2", "layout.grad_accum=3", "train.global_batch=6"]

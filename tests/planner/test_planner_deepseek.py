@@ -138,14 +138,15 @@ def test_dualpipev_hides_communication_up_to_the_paired_compute():
 
 
 def test_dualpipev_exposes_less_all_to_all_than_zero_bubble():
-    wide = SMALL_MOE.replace(num_experts=32, seq_len=2048)
+    wide = SMALL_MOE.replace(num_experts=32, seq_len=2048, layers=8)  # 2 chunks of 1 layer per rank under the V
     lay = LayoutSpec(dp=16, ep=16, pp=4, global_batch=256, schedule="zb-h1")
     zb = estimate(wide, lay, "H800")
     dual = estimate(wide, lay.replace(schedule="dualpipev"), "H800")
     assert dual.comm_time_s["ep"] == pytest.approx(zb.comm_time_s["ep"])
     assert dual.comm_exposed_s["ep"] < zb.comm_exposed_s["ep"] == zb.comm_time_s["ep"]
     assert dual.comm_exposed_s["ep"] >= 4 / 16 * dual.comm_time_s["ep"]  # the unpaired warm-up and cool-down
-    assert lay.replace(schedule="dualpipev").runtime_gaps() and not lay.runtime_gaps()
+    assert not lay.replace(schedule="dualpipev").runtime_gaps()  # the runtime runs DualPipeV (vpp=2, a V)
+    assert lay.replace(schedule="dualpipev").vpp == 2
 
 
 # ---- expert-load imbalance -------------------------------------------------------------------
