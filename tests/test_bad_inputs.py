@@ -391,7 +391,7 @@ CASES: list[Case] = [
     Case("import from nothing", ["convert", "import", "--hf", "{d}/none", "--run-dir", "{d}/new"], 2,
          ("not a Hugging Face model folder",)),
     Case("import into an existing run", ["convert", "import", "--hf", "{d}/hf", "--run-dir", "{d}/run"], 2,
-         ("already has checkpoints",), run=True, prepare=_export_hf, keep="run"),
+         ("is not empty", "checkpoints", "new or empty --run-dir"), run=True, prepare=_export_hf, keep="run"),
     Case("import shapes differ from config", ["convert", "import", "--hf", "{d}/hf", "--run-dir", "{d}/new"], 2,
          ("embed.weight", "[256, 64]", "[300, 64]"), run=True, prepare=_hf_config("vocab_size", 300)),
     Case("import config not JSON", ["convert", "import", "--hf", "{d}/hf", "--run-dir", "{d}/new"], 2,

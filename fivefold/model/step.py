@@ -65,8 +65,8 @@ def cross_entropy_sum(
 
 def whole_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """`cross_entropy_sum` as one expression, for torch.compile: inductor fuses the widening
-    into the loss's own kernels, so no fp32 copy is stored, and it cannot trace the chunked
-    backward (an autograd call inside a backward)."""
+    into the loss's own kernels, so no fp32 copy is stored, and a python loop over chunks
+    would only be unrolled into one graph per token count."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
@@ -96,11 +96,20 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         logits, targets = ctx.saved_tensors
         out = torch.empty_like(logits)  # (N, V) in the logits' dtype, as autograd's would be
         for chunk, t, dest in zip(logits.split(ctx.rows), targets.split(ctx.rows), out.split(ctx.rows)):
-            with torch.enable_grad():
-                x = chunk.detach().requires_grad_()
-                loss = F.cross_entropy(x.float(), t, reduction="sum")
-            dest.copy_(torch.autograd.grad(loss, x, grad)[0])
+            dest.copy_(_cross_entropy_sum_grad(chunk, t, grad))
         return out, None, None
+
+
+def _cross_entropy_sum_grad(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """d/dlogits of grad * F.cross_entropy(logits.float(), targets, reduction="sum"), fp32.
+
+    The kernels autograd runs for that expression (nll_loss's backward puts -grad at each
+    target; log_softmax's backward), called directly: no graph is built inside the backward,
+    so nothing of this chunk is saved or outlives it.
+    """
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    grad_log_probs = torch.zeros_like(log_probs).scatter_(1, targets[:, None], -grad.expand(targets.shape[0], 1))
+    return torch._log_softmax_backward_data(grad_log_probs, log_probs, 1, log_probs.dtype)
 
 
 def autocast_for(config: Config, device: torch.device) -> contextlib.AbstractContextManager:

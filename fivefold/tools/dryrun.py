@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..config import Config
 from ..data.sources import Sampler
@@ -92,7 +93,7 @@ class DryRunMode(TorchDispatchMode):
 
     A tensor may carry one assumed value shared by all its elements (`_VALUE`): set by fills,
     by `bincount` (each of E bins receives n / E of the n entries: balanced routing), kept by
-    views, copies and all-to-alls (every rank routes alike), scaled by sums. Shapes that
+    views, copies, joins of equal values and all-to-alls (every rank routes alike), scaled by sums. Shapes that
     depend on data follow from it: `nonzero` keeps every element (no token dropped),
     `repeat_interleave` repeats by the assumed count, `.item()`/`.tolist()` return it (0 when
     no value is known: a loss or a norm).
@@ -104,11 +105,12 @@ class DryRunMode(TorchDispatchMode):
         special = self._special(func, args, kwargs)
         if special is not _NOT_SPECIAL:
             return special
+        sent = _value(args[1]) if packet is torch.ops.c10d.alltoall_base_ else None
         out = func(*args, **kwargs)
-        if func._schema.is_mutable:  # an in-place op changed the values we knew
-            for arg in args:
-                if isinstance(arg, torch.Tensor):
-                    _set_value(arg, None)
+        for written in _written_tensors(func, args, kwargs):  # an in-place op changed the values we knew
+            _set_value(written, None)
+        if sent is not None:  # (output, input, ...): balanced routing sends alike, so each rank receives it
+            _set_value(args[0], sent)
         return self._propagate(packet, args, kwargs, out)
 
     def _special(self, func, args, kwargs):  # noqa: ANN001
@@ -137,18 +139,32 @@ class DryRunMode(TorchDispatchMode):
 
     def _propagate(self, packet, args, kwargs, out):  # noqa: ANN001
         if not isinstance(out, torch.Tensor):
-            if packet is torch.ops.c10d.alltoall_base_:  # (output, input, ...): balanced routing sends alike
-                _set_value(args[0], _value(args[1]))
             return out
         if packet in _SAME_VALUE:
             return _set_value(out, _value(args[0]))
         if packet in _FILLED:
             return _set_value(out, _FILLED[packet])
+        if packet in (aten.stack, aten.cat):  # joined tensors that all hold one value hold it too
+            values = {_value(t) for t in args[0]}
+            return _set_value(out, values.pop()) if len(values) == 1 else out
         if packet in (aten.full, aten.full_like):
             return _set_value(out, float(args[1]))
         if packet is aten.sum and _value(args[0]) is not None:
             return _set_value(out, _value(args[0]) * (args[0].numel() // max(out.numel(), 1)))
         return out
+
+
+def _written_tensors(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:  # noqa: ANN001
+    """The tensors an op writes into (`x` of `x.add_(y)`, not `y`), from its schema."""
+    if not func._schema.is_mutable:
+        return []
+    written = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
 
 
 _NOT_SPECIAL = object()

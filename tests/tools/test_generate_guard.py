@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from fivefold.config import load_config
-from fivefold.model import Transformer
+from fivefold.model import build_model
 from fivefold.tools.generate import DivergedWeightsError, sample
 
 
 def test_overflowing_logits_are_refused_by_name():
-    torch.manual_seed(0)
-    model = Transformer(load_config("tiny").model).eval()
+    model = build_model(load_config("tiny").model, seed=0).eval()
     with torch.no_grad():
         model.norm.weight.fill_(3e38)  # finite, but the head's products overflow to inf
     with pytest.raises(DivergedWeightsError, match="logits hold NaN or inf"):
