@@ -63,13 +63,23 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """tokens (N, h) grouped by expert, counts[e] rows each; returns (N, h)."""
         kernel = self.kernel
+        compute_dtype = autocast_dtype(tokens.device)
         if kernel == "auto":
-            kernel = "grouped" if grouped_mm_supported(tokens, self.gate) else "loop"
+            kernel = "grouped" if self._grouped_runs(tokens, compute_dtype) else "loop"
         if kernel == "grouped":
+            if compute_dtype is not None:
+                return self._grouped_cast(tokens, counts, compute_dtype)
             return self._grouped(tokens, counts)
         if kernel == "padded":
             return self._padded(tokens, counts)
         return self._loop(tokens, counts)
+
+    def _grouped_runs(self, tokens: torch.Tensor, compute_dtype: torch.dtype | None) -> bool:
+        """Inside autocast the inputs are cast to its dtype (`_grouped_cast`); outside, the
+        tokens and weights must already share one dtype."""
+        if compute_dtype is None and tokens.dtype != self.gate.dtype:
+            return False
+        return grouped_mm_supported(tokens.device, compute_dtype or tokens.dtype, self.gate.shape)
 
     def _loop(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outputs = []
@@ -83,12 +93,24 @@ class Experts(nn.Module):
             return tokens.new_zeros(0, tokens.shape[-1])
         return torch.cat(outputs, dim=0)
 
-    def _grouped(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _grouped(
+        self, tokens: torch.Tensor, counts: list[int], weights: tuple[torch.Tensor, ...] | None = None
+    ) -> torch.Tensor:
+        gate_w, up_w, down_w = weights or (self.gate, self.up, self.down)
         # offs[e] is the end row of group e; the weights are used transposed, as views.
         offs = torch.tensor(counts, dtype=torch.int64, device=tokens.device).cumsum(0).to(torch.int32)
-        gate = torch._grouped_mm(tokens, self.gate.transpose(1, 2), offs=offs)  # (N, f)
-        up = torch._grouped_mm(tokens, self.up.transpose(1, 2), offs=offs)  # (N, f)
-        return torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offs)  # (N, h)
+        gate = torch._grouped_mm(tokens, gate_w.transpose(1, 2), offs=offs)  # (N, f)
+        up = torch._grouped_mm(tokens, up_w.transpose(1, 2), offs=offs)  # (N, f)
+        return torch._grouped_mm(F.silu(gate) * up, down_w.transpose(1, 2), offs=offs)  # (N, h)
+
+    def _grouped_cast(self, tokens: torch.Tensor, counts: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """The grouped kernel inside an autocast region: autocast does not cast _grouped_mm's
+        inputs, so they are cast here, at the experts' boundary, as autocast casts a matmul's
+        (fp32 master weights to the compute dtype, their gradients back to fp32 through the
+        casts' backward), and the kernel runs with autocast off."""
+        weights = tuple(w.to(dtype) for w in (self.gate, self.up, self.down))
+        with torch.autocast(tokens.device.type, enabled=False):
+            return self._grouped(tokens.to(dtype), counts, weights)
 
     def _padded(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         E, width = len(counts), max(counts, default=0)
@@ -105,20 +127,26 @@ class Experts(nn.Module):
         return out.index_select(0, slot)
 
 
-def grouped_mm_supported(tokens: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs for these tensors: it needs rows aligned to 16 bytes, and
-    on CUDA bf16 (the CPU path takes fp32). Autocast regions keep the per-expert loop, whose
-    matmuls autocast handles."""
-    if tokens.device.type not in ("cpu", "cuda"):  # before asking autocast, which knows no other devices
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on `device`, or None outside autocast."""
+    if device.type not in ("cpu", "cuda"):  # before asking autocast, which knows no other devices
+        return None
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, weight_shape: torch.Size) -> bool:
+    """Whether torch._grouped_mm runs for experts computing in `dtype` on `device`: it needs
+    rows aligned to 16 bytes, and on CUDA bf16 (the CPU kernel takes fp32 and bf16)."""
+    if device.type not in ("cpu", "cuda") or not hasattr(torch, "_grouped_mm"):
         return False
-    if not hasattr(torch, "_grouped_mm") or torch.is_autocast_enabled(tokens.device.type):
+    if device.type == "cuda" and dtype != torch.bfloat16:
         return False
-    if tokens.dtype != weight.dtype:
+    if dtype not in (torch.float32, torch.bfloat16):
         return False
-    if tokens.device.type == "cuda" and tokens.dtype != torch.bfloat16:
-        return False
-    align = 16 // tokens.element_size()
-    return weight.shape[1] % align == 0 and weight.shape[2] % align == 0
+    align = 16 // dtype.itemsize
+    return weight_shape[1] % align == 0 and weight_shape[2] % align == 0
 
 
 def sort_slots_by_expert(expert_ids: torch.Tensor, keep: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,6 +110,56 @@ def test_expert_kernels_agree():
     torch.testing.assert_close(outputs["padded"], outputs["loop"], rtol=1e-6, atol=1e-6)
 
 
+def _seeded_experts(kernel: str) -> tuple[Experts, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    experts = Experts(4, 16, 32, kernel=kernel)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return experts, torch.randn(13, 16, generator=gen)
+
+
+def test_grouped_kernel_runs_under_bf16_autocast_cast_at_the_experts(monkeypatch):
+    """Under bf16 autocast "auto" takes the grouped kernel (it used to fall back to the
+    per-expert loop): its inputs are cast to bf16 as autocast casts the loop's matmuls, so the
+    output is bf16 and agrees with the loop's; the fp32 master weights get fp32 gradients."""
+    counts = [5, 0, 6, 2]
+    grouped_calls = []
+    grouped_mm = torch._grouped_mm
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        grouped_calls.append(args[0].dtype)
+        return grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    runs = {}
+    for kernel in ("auto", "loop"):
+        experts, x = _seeded_experts(kernel)
+        x.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts(x, counts)
+        out.float().square().sum().backward()
+        runs[kernel] = (out, x.grad, experts.gate.grad)
+    (out, x_grad, gate_grad), (loop_out, loop_x_grad, loop_gate_grad) = runs["auto"], runs["loop"]
+    assert grouped_calls == [torch.bfloat16] * 3  # the auto run's three matmuls, in bf16
+    assert out.dtype == torch.bfloat16 and gate_grad.dtype == torch.float32 and x_grad.dtype == torch.float32
+    # bf16 products with fp32 accumulation in both kernels; they differ by the kernels' order of sums
+    torch.testing.assert_close(out, loop_out, rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(gate_grad, loop_gate_grad, rtol=2**-6, atol=1e-3)
+    torch.testing.assert_close(x_grad, loop_x_grad, rtol=2**-6, atol=1e-3)
+
+
+def test_grouped_kernel_is_chosen_by_device_dtype_and_alignment():
+    from fivefold.model.moe import grouped_mm_supported
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    shape = torch.Size((8, 64, 32))
+    assert grouped_mm_supported(cpu, torch.float32, shape) and grouped_mm_supported(cpu, torch.bfloat16, shape)
+    assert grouped_mm_supported(cuda, torch.bfloat16, shape) and not grouped_mm_supported(cuda, torch.float32, shape)
+    assert not grouped_mm_supported(cpu, torch.bfloat16, torch.Size((8, 64, 36)))  # rows of 72 bytes
+    assert not grouped_mm_supported(torch.device("meta"), torch.float32, shape)
+
+
 def test_combine_slots_weights_and_sums_the_kept_slots():
     """Against the dense formula: scatter the kept rows into all N*k slots (zeros where dropped),
     weight every slot, sum over the k choices. With k <= 2 the two agree bit for bit (a sum of
