@@ -22,7 +22,7 @@ from .data.packing import data_position
 from .rules.precision import PrecisionPolicy
 from .rules.layout import validate
 from .job.malloc import MallocState, apply_malloc
-from .job.determinism import apply_determinism
+from .job.determinism import apply_determinism, runs_tf32, tf32
 from .parallel.mesh import Mesh, device_for, unavailable_device
 from .observe.metrics import (
     DTYPES,
@@ -400,7 +400,8 @@ def run_training(
     with distributed_job(config, run_dir / "flight_records", device) as (mesh, device):
         lock = claim_run_dir(run_dir, config, mesh, device, overwrite)
         try:
-            return _train_in(config, run_dir, mesh, device, malloc, show_progress)
+            with tf32(runs_tf32(config.train.dtype, device.type, config.train.deterministic)):
+                return _train_in(config, run_dir, mesh, device, malloc, show_progress)
         finally:
             if lock is not None:
                 lock.release()

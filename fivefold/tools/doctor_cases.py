@@ -8,7 +8,6 @@ been measured on a GPU yet.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
@@ -16,7 +15,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -63,32 +62,10 @@ class Bench:
         train.deterministic is process-wide: it is undone afterwards, so later cases run at full speed."""
         deterministic = torch.are_deterministic_algorithms_enabled()
         try:
-            with tf32(enabled=config.train.dtype == "fp32" and self.device.type == "cuda"):
-                return run_training(config, self.scratch / name, show_progress=False, overwrite=overwrite)
+            # fp32 runs on CUDA train in TF32 (job/determinism.py `runs_tf32`), as users' runs do
+            return run_training(config, self.scratch / name, show_progress=False, overwrite=overwrite)
         finally:
             torch.use_deterministic_algorithms(deterministic)
-
-
-@contextlib.contextmanager
-def tf32(enabled: bool) -> Iterator[None]:
-    """fp32 matmuls and convolutions in TF32 inside the block (the speed most GPU users run fp32 at).
-    torch replaced `allow_tf32` by `fp32_precision` (2.9); mixing the two is an error in later
-    releases, so the newer switch is used wherever it exists."""
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        before = matmul.fp32_precision
-        matmul.fp32_precision = "tf32" if enabled else "ieee"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision = before
-        return
-    before_flag = matmul.allow_tf32
-    matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        matmul.allow_tf32 = before_flag
 
 
 def _losses(records: list[dict]) -> list[float]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fivefold.config import ConfigError, load_config
-from fivefold.job.determinism import apply_determinism
+from fivefold.job.determinism import apply_determinism, runs_tf32, tf32
 from fivefold.run import run_training
 
 
@@ -52,3 +52,37 @@ def test_the_key_defaults_to_off_and_takes_only_booleans():
     assert load_config("tiny").train.deterministic is False
     with pytest.raises(ConfigError, match="train.deterministic"):
         load_config("tiny", ["train.deterministic=sometimes"])
+
+
+@pytest.mark.parametrize("dtype, device, deterministic, expected", [
+    ("fp32", "cuda", False, True), ("fp32", "cuda", True, False), ("bf16", "cuda", False, False),
+    ("fp32", "cpu", False, False), ("fp32", "meta", False, False),
+])
+def test_fp32_runs_on_cuda_train_in_tf32_unless_deterministic(dtype, device, deterministic, expected):
+    assert runs_tf32(dtype, device, deterministic) is expected
+
+
+def _matmul_precision() -> str:
+    matmul = torch.backends.cuda.matmul
+    return matmul.fp32_precision if hasattr(matmul, "fp32_precision") else str(matmul.allow_tf32)
+
+
+def test_tf32_is_switched_for_the_block_and_restored_after():
+    before = _matmul_precision()
+    with tf32(True):
+        assert _matmul_precision() in ("tf32", "True")
+        with tf32(False):
+            assert _matmul_precision() in ("ieee", "False")
+        assert _matmul_precision() in ("tf32", "True")
+    assert _matmul_precision() == before
+
+
+def test_a_run_asks_the_rule_with_its_own_device_and_settings(tmp_path, monkeypatch):
+    import fivefold.run
+
+    asked = []
+    monkeypatch.setattr(fivefold.run, "runs_tf32", lambda *args: asked.append(args) or False)
+    config = load_config("tiny", ["model.layers=1", "train.steps=1", "train.seq_len=16", "train.global_batch=2",
+                                  "train.eval_interval=0"])
+    run_training(config, tmp_path / "run", show_progress=False)
+    assert asked == [("fp32", "cpu", False)]
