@@ -128,7 +128,20 @@ def launch_training(config: Config, args: argparse.Namespace, argv: list[str], r
         stop_grace_s=config.train.stop_grace_s,
         flight_dir=run_dir / "flight_records",
     )
-    return run_job(job)
+    status = run_job(job)
+    if status > 128:  # stopped by a signal: say where the run can go on from
+        print(resume_hint(run_dir), file=sys.stderr)
+    return status
+
+
+def resume_hint(run_dir: Path) -> str:
+    """The line after a stopped multi-process job: its last checkpoint and the command that continues it."""
+    from .checkpoint import checkpoint_root, list_checkpoints
+
+    found = list_checkpoints(checkpoint_root(run_dir))
+    if not found:
+        return f"fivefold: {run_dir} holds no checkpoint; start again with --overwrite"
+    return f"fivefold: last checkpoint {found[0]}; continue with fivefold train --run-dir {run_dir} --resume"
 
 
 def _replace(obj, **changes):
