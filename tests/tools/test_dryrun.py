@@ -12,7 +12,6 @@ few micro-batches per rank to keep the cases fast; the 405B case is the publishe
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -117,8 +116,7 @@ def test_llama3_405b_published_layout_on_16384_ranks():
     assert rows["activations saved"].measured > 0
 
 
-@pytest.mark.skipif(not os.environ.get("FIVEFOLD_SLOW_TESTS"),
-                    reason="builds two 405B stages on the meta device (minutes); set FIVEFOLD_SLOW_TESTS=1")
+@pytest.mark.slow  # builds two 405B stages on the meta device (minutes)
 @pytest.mark.parametrize("layout", ["tp=8,pp=16,dp=128,zero=3", "tp=8,pp=16,dp=128,dp_shard=8,zero=3"])
 def test_llama3_405b_zero3_inside_pipeline_stages_flat_and_hybrid_on_16384_ranks(layout):
     """ZeRO-3 inside each of 16 stages, sharded over all 128 dp ranks or over shard groups of 8
