@@ -58,9 +58,6 @@ def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-# Which attention kernel keeps grouped key/value heads.
-#Which attention kernel keeps grouped key/value heads: one fact for the runtime and the planner.
-#
 # Grouped-query attention hands SDPA K/V with fewer heads than Q (`enable_gqa`). On CUDA only
 # the flash kernel and the math kernel accept that (torch's documentation of
 # `scaled_dot_product_attention`, 2.11-2.14), and flash takes fp16/bf16 without a mask. Anywhere
@@ -69,15 +66,14 @@ def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
 # the query heads first lets the memory-efficient kernel run instead (fp32 and masks
 # supported), which saves K/V at query-head size but nothing of size s^2. On the CPU the fused
 # flash kernel takes grouped heads, fp32 and masks alike, so K/V stay grouped there.
-_HALF_DTYPES = ("float16", "bfloat16")
 
 
-def keeps_grouped_kv(device_type: str, dtype: str, masked: bool) -> bool:
+def keeps_grouped_kv(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
     """Whether SDPA gets K/V with their own (grouped) heads: else they are repeated to the
-    query heads first. `dtype` is the attention inputs' (torch.bfloat16 -> "bfloat16")."""
+    query heads first (see the comment above)."""
     if device_type != "cuda":
         return True
-    return dtype in _HALF_DTYPES and not masked
+    return dtype in (torch.float16, torch.bfloat16) and not masked
 
 
 def grouped_query_attention(
@@ -92,7 +88,7 @@ def grouped_query_attention(
     `keeps_grouped_kv`) they are repeated first.
     """
     gqa = q.shape[1] != k.shape[1]
-    if gqa and not keeps_grouped_kv(q.device.type, str(q.dtype).removeprefix("torch."), mask is not None):
+    if gqa and not keeps_grouped_kv(q.device.type, q.dtype, mask is not None):
         # no fused kernel takes grouped heads here: repeat them, so SDPA avoids the math kernel's s x s
         group = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False

@@ -10,9 +10,9 @@ from fivefold.model.attention import keeps_grouped_kv
 
 
 @pytest.mark.parametrize("device, dtype, masked, expected", [
-    ("cpu", "float32", False, True), ("cpu", "float32", True, True), ("cpu", "bfloat16", True, True),
-    ("cuda", "bfloat16", False, True), ("cuda", "float16", False, True),
-    ("cuda", "bfloat16", True, False), ("cuda", "float32", False, False),  # math kernel's s x s otherwise
+    ("cpu", torch.float32, False, True), ("cpu", torch.float32, True, True), ("cpu", torch.bfloat16, True, True),
+    ("cuda", torch.bfloat16, False, True), ("cuda", torch.float16, False, True),
+    ("cuda", torch.bfloat16, True, False), ("cuda", torch.float32, False, False),  # math kernel's s x s otherwise
 ])
 def test_grouped_heads_are_kept_only_where_a_fused_kernel_takes_them(device, dtype, masked, expected):
     assert keeps_grouped_kv(device, dtype, masked) is expected
